@@ -1,0 +1,18 @@
+"""oscar-hf: a 2-bit KV cache for Hugging Face Transformers with OSCAR rotations (arXiv 2605.17757).
+
+    import oscar_hf
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="oscar")
+    cache = oscar_hf.OscarCache(model, oscar_hf.OscarRotations.from_pretrained(rotations_path))
+    model.generate(**inputs, past_key_values=cache)
+"""
+
+from .attention import register as _register_attention
+from .cache import OscarCache, OscarLayer
+from .config import OscarConfig
+from .models import UnsupportedModelError
+from .rotations_io import OscarRotations, RotationFileError
+
+_register_attention()
+
+__version__ = "0.1.0"
+__all__ = ["OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "UnsupportedModelError"]

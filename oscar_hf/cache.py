@@ -1,0 +1,552 @@
+"""`OscarCache`: a `transformers.Cache` whose full-attention layers keep keys and values as
+
+    [ sink (first `sink_tokens`, BF16) | history (INT2, packed) | recent window (last `window_tokens`..+block, BF16) ]
+
+all stored rotated (k·R_K, v·R_V). The cache holds state and never does attention math: with
+`attn_implementation="oscar"` it hands the registered attention function (`attention.py`) a view of its segments;
+with any other attention implementation, `update` returns the history dequantized and un-rotated, so that plain
+sdpa/eager attention gives the same result (slowly, like transformers' QuantizedCache).
+
+Semantics shared by both paths: the tokens of the current forward pass attend to each other exactly (full precision,
+as a BF16 prefill would) and to earlier tokens as the cache stores them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from .config import OscarConfig
+from .models import check_attention_interface, text_config
+from .quant import QuantizedRows, clip_rows, dequantize_rows, quantize_rows
+from .rotations_io import OscarRotations
+
+ATTENTION_NAME = "oscar"
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_BULK_RESERVE = 256  # spare history rows after a bulk (prefill) append
+
+
+def rotate(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`[B, H, n, d] @ [H, d, d]` per KV head."""
+    return torch.matmul(states, rotation)
+
+
+class _History:
+    """The quantized history of one stream (keys or values) of one layer.
+
+    Buffers (B batch, H KV heads, cap capacity in tokens, d head_dim, G = d / group_size):
+        codes `[B, H, cap, d·bits/8]` uint8 (planar packing, `quant.py`), meta `[B, H, cap, G, 2]` (scale, minimum);
+        for bits == 16, `dense` `[B, H, cap, d]` in the model dtype instead.
+    Rows `[0, length)` are valid.
+    """
+
+    def __init__(self, config: OscarConfig, clip_ratio: float, head_dim: int):
+        self.bits = config.bits
+        self.group_size = config.group_size or head_dim
+        self.scale_dtype = config.scale_dtype
+        self.clip_ratio = clip_ratio
+        self.head_dim = head_dim
+        self.length = 0
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.buffers.values())).shape[2] if self.buffers else 0
+
+    def _allocate(self, batch: int, heads: int, capacity: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        d = self.head_dim
+        if self.bits == 16:
+            return {"dense": torch.empty(batch, heads, capacity, d, dtype=dtype, device=device)}
+        groups = d // self.group_size
+        return {
+            "codes": torch.empty(batch, heads, capacity, d * self.bits // 8, dtype=torch.uint8, device=device),
+            "meta": torch.empty(batch, heads, capacity, groups, 2, dtype=_DTYPES[self.scale_dtype], device=device),
+        }
+
+    def initialize(self, rows: torch.Tensor) -> None:
+        """Empty buffers with the batch, heads, dtype and device of `rows` `[B, H, n, d]`."""
+        self.buffers = self._allocate(rows.shape[0], rows.shape[1], 0, rows.dtype, rows.device)
+        self.length = 0
+
+    def reserve(self, rows: torch.Tensor, needed: int, bulk: bool, extra: int | None = None) -> None:
+        """Grows the buffers to hold `needed` rows: exact plus a small reserve after a bulk append, geometric
+        (1/8) during decoding, or exactly `needed + extra` when `extra` is given."""
+        if needed <= self.capacity:
+            return
+        if extra is None:
+            extra = _BULK_RESERVE if bulk else max(_BULK_RESERVE, needed // 8)
+        b, h = rows.shape[:2]
+        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)
+        for name, buf in self.buffers.items():
+            new[name][:, :, : self.length] = buf[:, :, : self.length]
+        self.buffers = new
+
+    def append(self, rows: torch.Tensor, bulk: bool) -> None:
+        """Clips, quantizes and packs `rows` `[B, H, n, d]` (already rotated) after the valid history."""
+        n = rows.shape[2]
+        if n == 0:
+            return
+        self.reserve(rows, self.length + n, bulk)
+        end = self.length + n
+        if self.bits == 16:
+            self.buffers["dense"][:, :, self.length : end] = rows
+        else:
+            q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
+            self.buffers["codes"][:, :, self.length : end] = q.codes
+            self.buffers["meta"][:, :, self.length : end] = q.meta
+        self.length = end
+
+    def packed(self, start: int, end: int) -> QuantizedRows | torch.Tensor:
+        """Rows `[start, end)`: a `QuantizedRows` view, or a dense tensor view when bits == 16."""
+        if self.bits == 16:
+            return self.buffers["dense"][:, :, start:end]
+        b = self.buffers
+        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size)
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.packed(start, end)
+        return rows.to(dtype) if isinstance(rows, torch.Tensor) else dequantize_rows(rows, dtype)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.buffers = {name: fn(buf) for name, buf in self.buffers.items()}
+
+    def nbytes(self) -> tuple[int, int]:
+        """(allocated, used) bytes."""
+        allocated = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        used = allocated * self.length // self.capacity if self.capacity else 0
+        return allocated, used
+
+
+@dataclass
+class LayerView:
+    """What the attention function needs from one OSCAR layer for one forward pass.
+
+    All key/value tensors are rotated. Positions: sink `[0, ns)`, history `[ns, ns + nh)`, recent
+    `[ns + nh, past_length)`, then the current chunk `[past_length, past_length + n)`.
+
+    Attributes:
+        key_rotation, value_rotation: `[H, d, d]` in the compute dtype.
+        sink_keys, sink_values: `[B, H, ns, d]`.
+        history_keys, history_values: `QuantizedRows` views (codes `[B, H, nh, d·bits/8]`, meta `[B, H, nh, G, 2]`),
+            or dense `[B, H, nh, d]` tensors when bits == 16.
+        recent_keys, recent_values: `[B, H, nr, d]`.
+        chunk_keys, chunk_values: `[B, H, n, d]` the exact (rotated) states of the current forward pass.
+        past_length: ns + nh + nr.
+    """
+
+    key_rotation: torch.Tensor
+    value_rotation: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    history_keys: QuantizedRows | torch.Tensor
+    history_values: QuantizedRows | torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    chunk_keys: torch.Tensor
+    chunk_values: torch.Tensor
+    past_length: int
+
+    @property
+    def history_length(self) -> int:
+        h = self.history_keys
+        return (h.shape if isinstance(h, torch.Tensor) else h.meta.shape)[2]
+
+
+# The handoff between `OscarLayer.update` (fused mode) and the attention function of the same module: the layer
+# that just returned `key` registers itself; the attention function claims it by identity of the key tensor.
+_handoff = threading.local()
+
+
+def claim_layer(key: torch.Tensor) -> "OscarLayer | None":
+    """The OSCAR layer whose fused `update` returned `key`, if any (consumed once)."""
+    pending = getattr(_handoff, "pending", None)
+    if pending is None or pending[1] is not key:
+        return None
+    _handoff.pending = None
+    return pending[0]
+
+
+class OscarLayer(CacheLayerMixin):
+    """The cache of one full-attention layer: BF16 sink | quantized history | BF16 recent window, all rotated.
+
+    Args:
+        key_rotation, value_rotation: `[H, d, d]` orthogonal (float32; cast to the model dtype on first use).
+        key_clip, value_clip: clip ratios applied to rows before quantization (1.0 = none).
+        config: the `OscarConfig` (bits, group size, sink, window, demotion block, scale dtype).
+        max_cache_len: if given, the history is allocated for that many tokens up front (no regrowth).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        key_rotation: torch.Tensor,
+        value_rotation: torch.Tensor,
+        key_clip: float,
+        value_clip: float,
+        config: OscarConfig,
+        max_cache_len: int | None = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.key_clip, self.value_clip = float(key_clip), float(value_clip)
+        self._key_rotation_master = key_rotation
+        self._value_rotation_master = value_rotation
+        self.max_cache_len = max_cache_len
+        self.record_past = False
+        self._view: LayerView | None = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None  # the base class's attributes; this layer keeps its own segments
+        self.n_sink = self.n_recent = 0
+        d = self._key_rotation_master.shape[-1]
+        self.history_keys = _History(self.config, self.key_clip, d)
+        self.history_values = _History(self.config, self.value_clip, d)
+
+    def __repr__(self):
+        return f"OscarLayer(sink={self.n_sink}, history={self.history_keys.length}, recent={self.n_recent})"
+
+    # ------------------------------------------------------------------ CacheLayerMixin contract
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, d = key_states.shape
+        expected = tuple(self._key_rotation_master.shape)
+        if (heads, d, d) != expected:
+            raise ValueError(
+                f"OscarLayer got keys with {heads} KV heads of dim {d}, but its rotations are {expected} "
+                "(num_key_value_heads, head_dim, head_dim): wrong rotation file for this model?"
+            )
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.key_rotation = self._key_rotation_master.to(self.device, self.dtype)
+        self.value_rotation = self._value_rotation_master.to(self.device, self.dtype)
+        cfg = self.config
+        self.sink_keys = key_states.new_empty(batch, heads, cfg.sink_tokens, d)
+        self.sink_values = value_states.new_empty(batch, heads, cfg.sink_tokens, d)
+        recent_capacity = cfg.window_tokens + cfg.demotion_block
+        self.recent_keys = key_states.new_empty(batch, heads, recent_capacity, d)
+        self.recent_values = value_states.new_empty(batch, heads, recent_capacity, d)
+        for history in (self.history_keys, self.history_values):
+            history.initialize(key_states)
+        if self.max_cache_len is not None:
+            rows = max(self.max_cache_len - cfg.sink_tokens - cfg.window_tokens, 0) + cfg.demotion_block
+            for history in (self.history_keys, self.history_values):
+                history.reserve(key_states, rows, bulk=True, extra=0)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, fused: bool = False, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores `key_states`/`value_states` `[B, H, n, d]` (post-RoPE) and returns what attention needs.
+
+        fused=True (attention "oscar"): returns the rotated new states and leaves a `LayerView` for the attention
+        function. fused=False (any other attention): returns the full history dequantized and un-rotated, followed by
+        the exact new states, `[B, H, past + n, d]`.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # Checked on every prefill, and on every step on the CPU; on a GPU a per-token check would cost a sync.
+        if (key_states.shape[2] > 1 or key_states.device.type == "cpu") and not (
+            torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
+        ):
+            raise ValueError(
+                "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
+                "(with float16, overflow is a common cause; try bfloat16)"
+            )
+        past_length = self.get_seq_length()
+        chunk_keys = rotate(key_states, self.key_rotation)
+        chunk_values = rotate(value_states, self.value_rotation)
+        self._append(chunk_keys, chunk_values)
+        view = self._make_view(past_length, chunk_keys, chunk_values)
+        if fused:
+            self._view = view
+            _handoff.pending = (self, chunk_keys)
+            return chunk_keys, chunk_values
+        past_keys, past_values = self.dequantized_past(view)
+        rt_k, rt_v = self.key_rotation.transpose(-1, -2), self.value_rotation.transpose(-1, -2)
+        keys = torch.cat([rotate(past_keys, rt_k), key_states], dim=2)
+        values = torch.cat([rotate(past_values, rt_v), value_states], dim=2)
+        return keys, values
+
+    def take_view(self) -> LayerView:
+        view, self._view = self._view, None
+        if view is None:
+            raise RuntimeError("OscarLayer.take_view called without a preceding fused update")
+        return view
+
+    def get_seq_length(self) -> int:
+        return self.n_sink + self.history_keys.length + self.n_recent
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._view = None
+        self._reset_state()
+
+    def activate_past_recording(self) -> None:
+        """Assisted decoding: defer demotion until `crop`, so that a rollback leaves no trace."""
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Removes the `-tokens_to_remove` newest tokens (negative argument, as transformers 5.x)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"OscarLayer.crop takes a negative number of tokens to remove, got {tokens_to_remove} "
+                "(the positive absolute-length form is deprecated in transformers 5.x)"
+            )
+        if not self.is_initialized:
+            return
+        remove = min(-tokens_to_remove, self.get_seq_length())
+        take = min(remove, self.n_recent)
+        self.n_recent -= take
+        remove -= take
+        take = min(remove, self.history_keys.length)
+        # Tokens already demoted are dropped as they are; with `activate_past_recording` (assisted decoding) the
+        # candidates are never demoted before this crop, so the state equals a run that never saw them.
+        self.history_keys.length -= take
+        self.history_values.length -= take
+        remove -= take
+        self.n_sink -= remove
+        self._demote_overflow()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):
+        raise RuntimeError("OscarCache does not support CPU offloading: its history is already ~7x smaller than BF16")
+
+    def prefetch(self):
+        raise RuntimeError("OscarCache does not support CPU offloading")
+
+    # ------------------------------------------------------------------ segments
+    def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Routes rotated states to sink, then recent; demotes recent overflow into the history."""
+        cfg, n = self.config, keys.shape[2]
+        take = min(cfg.sink_tokens - self.n_sink, n) if self.history_keys.length + self.n_recent == 0 else 0
+        if take > 0:
+            self.sink_keys[:, :, self.n_sink : self.n_sink + take] = keys[:, :, :take]
+            self.sink_values[:, :, self.n_sink : self.n_sink + take] = values[:, :, :take]
+            self.n_sink += take
+            keys, values = keys[:, :, take:], values[:, :, take:]
+        m = keys.shape[2]
+        if m == 0:
+            return
+        if self.n_recent + m <= self.recent_keys.shape[2] and (
+            self.record_past or self.n_recent + m < cfg.window_tokens + cfg.demotion_block
+        ):
+            # Decode fast path: write in place, nothing to demote.
+            self.recent_keys[:, :, self.n_recent : self.n_recent + m] = keys
+            self.recent_values[:, :, self.n_recent : self.n_recent + m] = values
+            self.n_recent += m
+            return
+        pool_keys = torch.cat([self.recent_keys[:, :, : self.n_recent], keys], dim=2)
+        pool_values = torch.cat([self.recent_values[:, :, : self.n_recent], values], dim=2)
+        self._set_recent(pool_keys, pool_values)
+        if not self.record_past:  # while recording (assisted decoding), demotion waits for `crop`
+            self._demote_overflow()
+
+    def _set_recent(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[2]
+        capacity = max(self.config.window_tokens + self.config.demotion_block, n)
+        if capacity != self.recent_keys.shape[2]:
+            self.recent_keys = keys.new_empty(*keys.shape[:2], capacity, keys.shape[3])
+            self.recent_values = values.new_empty(*values.shape[:2], capacity, values.shape[3])
+        self.recent_keys[:, :, :n] = keys
+        self.recent_values[:, :, :n] = values
+        self.n_recent = n
+
+    def _demote_overflow(self) -> None:
+        """Moves the oldest recent tokens into the history, a whole number of blocks, leaving W..W+block-1."""
+        cfg = self.config
+        steady = cfg.window_tokens + cfg.demotion_block
+        if self.n_recent >= steady:
+            n_demote = (self.n_recent - cfg.window_tokens) // cfg.demotion_block * cfg.demotion_block
+            bulk = n_demote > cfg.demotion_block
+            self.history_keys.append(self.recent_keys[:, :, :n_demote], bulk)
+            self.history_values.append(self.recent_values[:, :, :n_demote], bulk)
+            start = n_demote
+        elif self.recent_keys.shape[2] > steady:
+            start = 0  # shrink a buffer that grew while recording the past
+        else:
+            return
+        keep_keys = self.recent_keys[:, :, start : self.n_recent].clone()
+        keep_values = self.recent_values[:, :, start : self.n_recent].clone()
+        self._set_recent(keep_keys, keep_values)
+
+    def _make_view(self, past_length: int, chunk_keys: torch.Tensor, chunk_values: torch.Tensor) -> LayerView:
+        ns = min(self.n_sink, past_length)
+        nh = min(self.history_keys.length, max(past_length - self.n_sink, 0))
+        nr = max(past_length - self.n_sink - self.history_keys.length, 0)
+        return LayerView(
+            key_rotation=self.key_rotation,
+            value_rotation=self.value_rotation,
+            sink_keys=self.sink_keys[:, :, :ns],
+            sink_values=self.sink_values[:, :, :ns],
+            history_keys=self.history_keys.packed(0, nh),
+            history_values=self.history_values.packed(0, nh),
+            recent_keys=self.recent_keys[:, :, :nr],
+            recent_values=self.recent_values[:, :, :nr],
+            chunk_keys=chunk_keys,
+            chunk_values=chunk_values,
+            past_length=past_length,
+        )
+
+    def dequantized_past(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The past of `view` as rotated dense tensors `[B, H, past_length, d]` in the model dtype."""
+        nh = view.history_length
+        hist_k = self.history_keys.dequantize(0, nh, self.dtype)
+        hist_v = self.history_values.dequantize(0, nh, self.dtype)
+        keys = torch.cat([view.sink_keys, hist_k, view.recent_keys], dim=2)
+        values = torch.cat([view.sink_values, hist_v, view.recent_values], dim=2)
+        return keys, values
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
+        self.recent_keys, self.recent_values = fn(self.recent_keys), fn(self.recent_values)
+        self.history_keys.map_batch(fn)
+        self.history_values.map_batch(fn)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes really allocated and bytes holding valid tokens, and the number of K+V elements represented."""
+        if not self.is_initialized:
+            return {"allocated": 0, "used": 0, "elements": 0, "tokens": 0}
+        windows = (self.sink_keys, self.sink_values, self.recent_keys, self.recent_values)
+        allocated = sum(t.numel() * t.element_size() for t in windows)
+        per_token_window = self.sink_keys[:, :, :1].numel() * self.sink_keys.element_size() * 2
+        used = per_token_window * (self.n_sink + self.n_recent)
+        for history in (self.history_keys, self.history_values):
+            a, u = history.nbytes()
+            allocated, used = allocated + a, used + u
+        batch, heads, _, d = self.sink_keys.shape
+        tokens = self.get_seq_length()
+        return {"allocated": allocated, "used": used, "elements": 2 * batch * heads * d * tokens, "tokens": tokens}
+
+
+class OscarCache(Cache):
+    """KV cache storing full-attention layers with OSCAR (BF16 sink | INT2 rotated history | BF16 recent window).
+
+    Usage:
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="oscar")
+        cache = OscarCache(model, OscarRotations.from_pretrained(name))
+        model.generate(**inputs, past_key_values=cache)
+
+    Sliding-window layers (e.g. Gemma 3's local layers) keep transformers' bounded BF16 window.
+
+    Args:
+        model: the model (or its config) the cache is for; rotations are validated against it.
+        rotations: calibrated `OscarRotations` (or `OscarRotations.data_free(...)` for baselines).
+        config: `OscarConfig`; default: 2 bits, sink 64, window 256, fitted clips.
+        max_cache_len: optional token count to allocate the history for up front.
+    """
+
+    def __init__(
+        self,
+        model,
+        rotations: OscarRotations,
+        config: OscarConfig | None = None,
+        max_cache_len: int | None = None,
+    ):
+        model_config = getattr(model, "config", model)
+        if hasattr(model, "config"):
+            check_attention_interface(model)
+        if not isinstance(rotations, OscarRotations):
+            raise TypeError(f"OscarCache needs OscarRotations, got {type(rotations).__name__}")
+        geometry = rotations.validate_for(model_config)
+        config = config or OscarConfig()
+        config.check_head_dim(geometry.head_dim)
+        self._text_config = text_config(model_config)
+        self.oscar_config = config
+        self.rotations = rotations
+        self.geometry = geometry
+        layers: list[CacheLayerMixin] = []
+        for i, kind in enumerate(geometry.plan):
+            if kind == "oscar":
+                layers.append(
+                    OscarLayer(
+                        rotations.key_rotations[i],
+                        rotations.value_rotations[i],
+                        config.clip_ratio("key", rotations.key_clip(i)),
+                        config.clip_ratio("value", rotations.value_clip(i)),
+                        config,
+                        max_cache_len,
+                    )
+                )
+            else:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
+        super().__init__(layers=layers)
+
+    @property
+    def fused_attention(self) -> bool:
+        """True when the model runs the registered "oscar" attention (reads packed segments directly)."""
+        return getattr(self._text_config, "_attn_implementation", None) == ATTENTION_NAME
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, OscarLayer):
+            return layer.update(key_states, value_states, fused=self.fused_attention)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.get_max_length(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"OscarCache.crop takes a negative number of tokens to remove, got {tokens_to_remove}"
+            )
+        super().crop(tokens_to_remove)
+
+    def memory_report(self) -> dict:
+        """Bytes really allocated by the cache and bits per stored K/V element, against a BF16 `DynamicCache`.
+
+        `bits_per_element` covers the OSCAR layers (sink + history + recent, metadata and spare capacity included);
+        `compression` compares all layers (sliding windows included) with what a BF16 DynamicCache would hold.
+        """
+        allocated = used = elements = 0
+        sliding_bytes = 0
+        tokens = self.get_seq_length(self.geometry.oscar_layers[0])
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                m = layer.memory_bytes()
+                allocated, used, elements = allocated + m["allocated"], used + m["used"], elements + m["elements"]
+            elif layer.is_initialized and layer.keys is not None:
+                sliding_bytes += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        bf16_bytes = 2 * elements + sliding_bytes
+        total = allocated + sliding_bytes
+        return {
+            "tokens": tokens,
+            "oscar_layers": len(self.geometry.oscar_layers),
+            "sliding_layers": len(self.layers) - len(self.geometry.oscar_layers),
+            "oscar_allocated_bytes": allocated,
+            "oscar_used_bytes": used,
+            "oscar_elements": elements,
+            "bits_per_element": 8 * allocated / elements if elements else float("nan"),
+            "bits_per_element_used": 8 * used / elements if elements else float("nan"),
+            "sliding_bytes": sliding_bytes,
+            "total_allocated_bytes": total,
+            "bf16_equivalent_bytes": bf16_bytes,
+            "compression": bf16_bytes / total if total else float("nan"),
+        }

@@ -1,0 +1,424 @@
+"""Offline calibration: attention-aware covariance targets -> rotations R = U·H·P -> fitted clip ratios.
+
+1. Statistics (streaming, float64, memory independent of the token count). A registered attention function
+   ("oscar_capture") sees the post-RoPE (and post q/k-norm) queries, keys and values of every full-attention layer
+   while the model runs over the calibration sequences, and accumulates per (layer, KV head):
+     - query:     Σ q qᵀ over the tokens and the GQA group's query heads       (key target, OSCAR)
+     - key:       Σ k kᵀ                                                       (KᵀK ablation)
+     - value:     Σ v vᵀ                                                       (VᵀV ablation)
+     - attention: Σ_j w_j v_j v_jᵀ, w_j = Σ_i Σ_group S_ij², S the causal softmax probabilities, computed in query
+                  blocks (never an N×N matrix)                                   (the paper's VᵀSᵀSV, OSCAR)
+     - logit:     Σ_j w_j v_j v_jᵀ, w_j = k_jᵀ C_q k_j with C_q the same sequence's query second moment, normalised to
+                  mean 1 (the reference code's weighting; it uses C_q over all tokens, which needs two passes)
+2. Rotations: eigenvectors of the chosen targets, composed with H and P (`rotation.build_rotation`), per KV head or
+   shared per layer.
+3. Clips: on held-out tokens (never used in step 1), per layer, the ratio in `clip_grid` that minimises the
+   attention-output error when the keys (resp. values) outside the sink and recent window are clipped and quantized,
+   exactly as the cache will store them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .config import OscarConfig
+from .data import load_texts, sequence_prefix, token_sequences
+from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
+from .quant import fake_quantize
+from .rotation import build_rotation
+from .rotations_io import OscarRotations, geometry_dict_for
+
+CAPTURE_NAME = "oscar_capture"
+TARGETS = ("query", "key", "value", "attention", "logit")
+_QUERY_BLOCK = 256
+_capture = threading.local()
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+@dataclass
+class LayerStatistics:
+    """Float64 accumulators of one layer, `[H_kv, d, d]` each, on the layer's device."""
+
+    sums: dict[str, torch.Tensor]
+    tokens: int = 0  # key/value tokens seen
+    query_rows: int = 0  # query vectors seen per KV head (tokens × group size)
+
+    def target(self, name: str) -> torch.Tensor:
+        """The normalised second-moment target `[H, d, d]` (float64, on the CPU)."""
+        count = self.query_rows if name == "query" else self.tokens
+        return (self.sums[name] / max(count, 1)).cpu()
+
+
+def attention_column_energy(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = _QUERY_BLOCK) -> torch.Tensor:
+    """w_j = Σ_i Σ_(query heads of the group) S_ij² for causal softmax S; returns `[B, H_kv, T]` float64.
+
+    Args:
+        query: `[B, Hq, T, d]`; key: `[B, H_kv, T, d]` (no padding; causal).
+    """
+    b, hq, t, d = query.shape
+    h = key.shape[1]
+    g = hq // h
+    q = query.float().reshape(b, h, g, t, d)
+    k = key.float()
+    energy = torch.zeros(b, h, t, dtype=torch.float64, device=query.device)
+    positions = torch.arange(t, device=query.device)
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        scores = torch.einsum("bhgid,bhjd->bhgij", q[:, :, :, start:end], k[:, :, :end]) * scale
+        causal = positions[:end].unsqueeze(0) <= positions[start:end].unsqueeze(1)  # [i, j]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        energy[:, :, :end] += probs.square().sum(dim=(2, 3)).double()
+    return energy
+
+
+class StatisticsCollector:
+    """Accumulates `LayerStatistics` for the OSCAR layers; optionally records one held-out pass."""
+
+    def __init__(self, geometry: ModelGeometry):
+        self.geometry = geometry
+        self.layers: dict[int, LayerStatistics] = {}
+        self.record: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] | None = None
+        self.scales: dict[int, float] = {}
+
+    def observe(self, layer_idx: int, query, key, value, attention_mask, scale: float) -> None:
+        if layer_idx not in self.geometry.oscar_layers:
+            return
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"calibration: layer {layer_idx} produced non-finite {name} states (NaN/Inf)")
+        self.scales[layer_idx] = scale
+        if self.record is not None:
+            self.record[layer_idx] = (query[0].detach().float(), key[0].detach().float(), value[0].detach().float(), scale)
+            return
+        b, hq, t, d = query.shape
+        h = key.shape[1]
+        g = hq // h
+        stats = self.layers.get(layer_idx)
+        if stats is None:
+            zeros = lambda: torch.zeros(h, d, d, dtype=torch.float64, device=query.device)  # noqa: E731
+            stats = self.layers[layer_idx] = LayerStatistics({name: zeros() for name in TARGETS})
+        q = query.double().reshape(b, h, g * t, d)
+        k, v = key.double(), value.double()
+        s = stats.sums
+        s["query"] += torch.einsum("bhnd,bhne->hde", q, q)
+        s["key"] += torch.einsum("bhnd,bhne->hde", k, k)
+        s["value"] += torch.einsum("bhnd,bhne->hde", v, v)
+        w_attn = attention_column_energy(query, key, scale)
+        s["attention"] += torch.einsum("bhn,bhnd,bhne->hde", w_attn, v, v)
+        c_q = torch.einsum("bhnd,bhne->hde", q, q) / (b * g * t)
+        w_logit = torch.einsum("bhnd,hde,bhne->bhn", k, c_q, k)
+        w_logit = w_logit / w_logit.mean(dim=(0, 2), keepdim=True).clamp(min=1e-300)
+        s["logit"] += torch.einsum("bhn,bhnd,bhne->hde", w_logit, v, v)
+        stats.tokens += b * t
+        stats.query_rows += b * g * t
+
+
+def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    collector: StatisticsCollector | None = getattr(_capture, "collector", None)
+    if collector is not None and getattr(module, "layer_idx", None) is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        collector.observe(module.layer_idx, query, key, value, attention_mask, scale)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _register_capture() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CAPTURE_NAME, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def capturing(model, collector: StatisticsCollector):
+    """Runs `model` with the capture attention; restores its attention implementation afterwards."""
+    _register_capture()
+    previous = text_config(model.config)._attn_implementation
+    model.set_attn_implementation(CAPTURE_NAME)
+    _capture.collector = collector
+    try:
+        yield
+    finally:
+        _capture.collector = None
+        model.set_attn_implementation(previous)
+
+
+def _run(model, sequences, progress, description) -> None:
+    device = _input_device(model)
+    iterator = sequences
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(sequences, desc=description, unit="seq")
+    with torch.no_grad():
+        for ids in iterator:
+            model(input_ids=ids.unsqueeze(0).to(device), use_cache=False)
+
+
+def _input_device(model) -> torch.device:
+    embeddings = model.get_input_embeddings()
+    return embeddings.weight.device if embeddings is not None else next(model.parameters()).device
+
+
+# ----------------------------------------------------------------------------------------------- rotations
+def rotations_from_statistics(stats: LayerStatistics, config: OscarConfig) -> dict[str, torch.Tensor]:
+    """Key/value rotations `[H, d, d]` and eigenvalues `[H, d]` (float64) for one layer."""
+    out = {}
+    for which, target_name in (("key", config.key_target), ("value", config.value_target)):
+        h, d = stats.sums["query"].shape[:2]
+        data_free = target_name in ("hadamard", "identity")
+        if data_free:
+            targets = torch.eye(d, dtype=torch.float64).expand(h, d, d)
+        else:
+            targets = stats.target(target_name)
+            if not config.per_head:
+                targets = targets.mean(0, keepdim=True).expand(h, d, d)
+        rots, eigs = [], []
+        for head in range(h):
+            r, lam = build_rotation(
+                targets[head],
+                use_eigenvectors=not data_free,
+                use_hadamard=config.use_hadamard and target_name != "identity",
+                use_permutation=config.use_permutation and target_name != "identity",
+            )
+            rots.append(r)
+            eigs.append(lam)
+        out[f"{which}_rotation"] = torch.stack(rots)
+        out[f"{which}_eigenvalues"] = torch.stack(eigs)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- clip fitting
+def _exact_mask(t: int, sink: int, window: int, device) -> torch.Tensor:
+    """[i, j]: True where query i sees key j in full precision in the cache (sink, recent window, itself)."""
+    i = torch.arange(t, device=device).unsqueeze(1)
+    j = torch.arange(t, device=device).unsqueeze(0)
+    return (j < sink) | (i - j < window + 1)
+
+
+def clip_errors(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_rotation: torch.Tensor,
+    value_rotation: torch.Tensor,
+    scale: float,
+    config: OscarConfig,
+    ratios,
+) -> dict[str, dict[float, float]]:
+    """Relative attention-output error for each clip ratio, for keys and for values of one layer.
+
+    Args:
+        query `[Hq, T, d]`, key/value `[H, T, d]` (one held-out sequence), rotations `[H, d, d]`.
+    Returns:
+        `{"key": {ratio: err}, "value": {ratio: err}}` where err = Σ‖o − ô‖² / Σ‖o‖² over the queries that see
+        quantized history, quantizing only keys (resp. values) that the cache would hold quantized.
+    """
+    hq, t, d = query.shape
+    h = key.shape[0]
+    g = hq // h
+    kr = torch.matmul(key.float(), key_rotation.float())
+    vr = torch.matmul(value.float(), value_rotation.float())
+    qr = torch.matmul(query.float().reshape(h, g, t, d), key_rotation.float().unsqueeze(1))  # [H, g, T, d]
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    exact = _exact_mask(t, config.sink_tokens, config.window_tokens, query.device) & causal
+    quant = causal & ~exact
+    rows = quant.any(1)  # queries that see quantized history
+    if not rows.any():
+        raise ValueError(
+            f"heldout_tokens ({t}) must exceed sink_tokens + window_tokens ({config.sink_tokens + config.window_tokens}) "
+            "so that the clip fit sees quantized history"
+        )
+    group = config.group_size or d
+    qr = qr[:, :, rows]  # only queries that see quantized history can have an error
+    causal, exact, quant = causal[rows], exact[rows], quant[rows]
+
+    def attend(scores):
+        return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+
+    scores = torch.einsum("hgid,hjd->hgij", qr, kr) * scale
+    probs = attend(scores)
+    reference = torch.einsum("hgij,hjd->hgid", probs, vr)
+    norm = reference.square().sum().item()
+    probs_quant = probs * quant
+    errors: dict[str, dict[float, float]] = {"key": {}, "value": {}}
+    for ratio in ratios:
+        k_hat = fake_quantize(kr, config.bits, group, ratio, config.scale_dtype)
+        scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
+        out = torch.einsum("hgij,hjd->hgid", attend(scores_hat), vr)
+        errors["key"][ratio] = (out - reference).square().sum().item() / norm
+        # Quantizing values changes the output by P_quant·(v̂ − v).
+        v_delta = fake_quantize(vr, config.bits, group, ratio, config.scale_dtype) - vr
+        errors["value"][ratio] = torch.einsum("hgij,hjd->hgid", probs_quant, v_delta).square().sum().item() / norm
+    return errors
+
+
+def best_ratio(errors: dict[float, float]) -> float:
+    """Smallest error; ties go to the larger ratio (less clipping)."""
+    return min(errors, key=lambda r: (round(errors[r], 12), -r))
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+@dataclass
+class CalibrationReport:
+    seconds: float
+    tokens: int
+    heldout_tokens: int
+    key_clips: dict[int, float] | None
+    value_clips: dict[int, float] | None
+    clip_errors: dict[int, dict] = field(default_factory=dict)
+
+    def summary(self, fixed=(0.96, 0.92)) -> str:
+        lines = [f"calibrated on {self.tokens} tokens (+{self.heldout_tokens} held out) in {self.seconds:.1f} s"]
+        if self.key_clips:
+            lines.append("layer | key clip | key err (fitted / none / 0.96) | value clip | value err (fitted / none / 0.92)")
+            for layer, curves in sorted(self.clip_errors.items()):
+                ke, ve = curves["key"], curves["value"]
+                kc, vc = self.key_clips[layer], self.value_clips[layer]
+                lines.append(
+                    f"{layer:5d} | {kc:8.2f} | {ke[kc]:.4f} / {ke.get(1.0, float('nan')):.4f} / {ke.get(fixed[0], float('nan')):.4f}"
+                    f" | {vc:10.2f} | {ve[vc]:.4f} / {ve.get(1.0, float('nan')):.4f} / {ve.get(fixed[1], float('nan')):.4f}"
+                )
+            kcs, vcs = list(self.key_clips.values()), list(self.value_clips.values())
+            lines.append(f"mean fitted clip: keys {sum(kcs) / len(kcs):.3f}, values {sum(vcs) / len(vcs):.3f}")
+        return "\n".join(lines)
+
+
+def calibrate(
+    model,
+    tokenizer,
+    data=None,
+    config: OscarConfig | None = None,
+    progress: bool = True,
+    statistics: dict[int, LayerStatistics] | None = None,
+) -> OscarRotations:
+    """Calibrates OSCAR rotations (and fitted clips) for `model` on `data` (see `data.load_texts`).
+
+    Returns `OscarRotations`; `rotations.metadata["calibration"]` records the data, token counts and time, and
+    `rotations.report` holds a `CalibrationReport` (printable with `.summary()`).
+    Pass `statistics` (from an earlier run's `rotations.statistics`) to rebuild rotations for another `config`
+    without running the model again (ablations).
+    """
+    config = config or OscarConfig()
+    check_attention_interface(model)
+    geometry = model_geometry(model.config)
+    config.check_head_dim(geometry.head_dim)
+    if config.heldout_tokens and config.heldout_tokens <= config.sink_tokens + config.window_tokens:
+        raise ValueError(
+            f"OscarConfig.heldout_tokens: {config.heldout_tokens} must exceed sink_tokens + window_tokens "
+            f"({config.sink_tokens + config.window_tokens}) for the clip fit to see quantized history"
+        )
+    start = time.perf_counter()
+    documents, data_info = load_texts(data)
+    seq_len = config.calibration_sequence_length
+    max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
+    if max_positions is not None and seq_len > max_positions:
+        raise ValueError(f"OscarConfig.calibration_sequence_length {seq_len} exceeds the model's {max_positions} positions")
+    n_seq = math.ceil(config.calibration_tokens / seq_len)
+    sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
+    used_tokens = sum(len(s) for s in sequences)
+    heldout = []
+    if config.heldout_tokens:
+        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=n_seq * (seq_len - len(sequence_prefix(tokenizer))))
+
+    collector = StatisticsCollector(geometry)
+    was_training = model.training
+    model.eval()
+    try:
+        with capturing(model, collector):
+            if statistics is None:
+                _run(model, sequences, progress, "OSCAR calibration")
+            else:
+                collector.layers = statistics
+            if heldout:
+                collector.record = {}
+                _run(model, heldout, False, "held-out")
+    finally:
+        model.train(was_training)
+    missing = [i for i in geometry.oscar_layers if i not in collector.layers]
+    if missing:
+        raise UnsupportedModelError(
+            f"layers {missing} never called the attention interface during calibration: this model computes "
+            "attention outside transformers' AttentionInterface, so OSCAR cannot attach to it"
+        )
+
+    key_rotations, value_rotations, key_eigs, value_eigs = {}, {}, {}, {}
+    for layer in geometry.oscar_layers:
+        built = rotations_from_statistics(collector.layers[layer], config)
+        key_rotations[layer], value_rotations[layer] = built["key_rotation"], built["value_rotation"]
+        key_eigs[layer], value_eigs[layer] = built["key_eigenvalues"], built["value_eigenvalues"]
+
+    key_clips = value_clips = None
+    curves: dict[int, dict] = {}
+    if heldout and config.bits < 16:
+        key_clips, value_clips = {}, {}
+        for layer in geometry.oscar_layers:
+            q, k, v, scale = collector.record[layer]
+            dev = q.device
+            errs = clip_errors(
+                q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config, config.clip_grid
+            )
+            curves[layer] = errs
+            key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
+    seconds = time.perf_counter() - start
+
+    import transformers
+
+    metadata = {
+        "calibration": {
+            "data": data_info,
+            "tokens": used_tokens,
+            "sequences": len(sequences),
+            "sequence_length": seq_len,
+            "heldout_tokens": sum(len(s) for s in heldout),
+            "seconds": round(seconds, 2),
+            "device": str(_input_device(model)),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        },
+        "method": {
+            "key_target": config.key_target,
+            "value_target": config.value_target,
+            "per_head": config.per_head,
+            "composition": "U·H·P" if config.use_hadamard and config.use_permutation else
+            "U" + ("·H" if config.use_hadamard else "") + ("·P" if config.use_permutation else ""),
+        },
+        "clip_fit": {
+            "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
+            "grid": list(config.clip_grid),
+            "errors": {str(layer): {w: {str(r): e for r, e in c.items()} for w, c in errs.items()} for layer, errs in curves.items()},
+        },
+        "oscar_config": config.to_dict(),
+        "versions": {
+            "oscar_hf": _version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+    }
+    rotations = OscarRotations(
+        geometry_dict_for(model.config),
+        {k: v.float() for k, v in key_rotations.items()},
+        {k: v.float() for k, v in value_rotations.items()},
+        {k: v.float() for k, v in key_eigs.items()},
+        {k: v.float() for k, v in value_eigs.items()},
+        key_clips,
+        value_clips,
+        metadata=metadata,
+    )
+    rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves)
+    rotations.statistics = collector.layers
+    return rotations
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

@@ -1,0 +1,199 @@
+"""`OscarConfig`: every knob of the OSCAR cache and of its calibration, in one validated dataclass.
+
+The config holds choices only; the mechanics live in `quant.py` (quantizer, packing), `rotation.py` (R = U·H·P),
+`calibrate.py` (statistics, clip fitting) and `cache.py` (the three-segment cache). Invalid values raise
+`ValueError` naming the field, at construction time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_BITS = (2, 3, 4, 8, 16)
+KEY_TARGETS = ("query", "key", "hadamard", "identity")
+VALUE_TARGETS = ("attention", "logit", "value", "hadamard", "identity")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+CLIP_MODES = ("fitted", "none")
+# Ratios tried when fitting clip thresholds. The threshold of a row x (length d) is sort(|x|)[floor(r*d)];
+# r = 1.0 means "no clip". The reference implementation hand-sets 0.96 (keys) and 0.92 (values).
+DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
+
+
+@dataclass
+class OscarConfig:
+    """How keys and values are stored, and how rotations are calibrated.
+
+    Cache layout per attention layer and KV head: `[sink_tokens BF16 | INT-`bits` history | recent window BF16]`.
+    New tokens enter the recent window; once it holds `window_tokens + demotion_block` tokens, its oldest
+    `demotion_block` tokens are clipped, quantized and packed into the history.
+
+    Args:
+        bits: code width of the history: 2 (OSCAR), 3 or 4 (comparisons), 8, or 16 (no quantization: the history
+            is kept in the model dtype, still rotated; useful to check the cache logic against `DynamicCache`).
+        group_size: elements sharing one (scale, minimum) pair along head_dim; `None` means head_dim (one pair per
+            token per KV head, the paper's setting).
+        sink_tokens: first tokens of the sequence kept in full precision ("attention sinks"). Paper: 64.
+        window_tokens: most recent tokens kept in full precision. Paper: 256.
+        demotion_block: tokens moved from the recent window into the history at once. Paper: 8.
+        key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
+            `"none"`, or a fixed ratio in (0, 1] (the reference uses 0.96 for keys and 0.92 for values).
+        scale_dtype: dtype of the per-group scale and minimum. 16-bit makes the INT2 history cost
+            2 + 32/group_size bits per element (2.25 at group 128, 2.5 at group 64).
+        key_target: covariance whose eigenvectors rotate keys: `"query"` (GQA-pooled query second moment, OSCAR),
+            `"key"` (plain KᵀK, the ablation), `"hadamard"` (data-free H·P, QuaRot-style), `"identity"` (no rotation).
+        value_target: `"attention"` (Σ_j (Σ_i S_ij²) v_j v_jᵀ with S the causal attention probabilities, the paper's
+            VᵀSᵀSV), `"logit"` (the reference code's weighting w_j = E_q[(q·k_j)²]), `"value"` (plain VᵀV),
+            `"hadamard"`, `"identity"`.
+        per_head: one rotation per (layer, KV head); `False` shares one rotation per layer (the reference code).
+        use_hadamard, use_permutation: the H and P factors of R = U·H·P (ablations turn them off).
+        clip_grid: ratios tried when fitting clips.
+        calibration_tokens: tokens whose statistics build the rotations.
+        calibration_sequence_length: tokens per calibration forward pass.
+        heldout_tokens: further tokens, not used for the statistics, on which the clips are fitted.
+    """
+
+    bits: int = 2
+    group_size: int | None = None
+    sink_tokens: int = 64
+    window_tokens: int = 256
+    demotion_block: int = 8
+    key_clip: str | float = "fitted"
+    value_clip: str | float = "fitted"
+    scale_dtype: str = "float16"
+    key_target: str = "query"
+    value_target: str = "attention"
+    per_head: bool = True
+    use_hadamard: bool = True
+    use_permutation: bool = True
+    clip_grid: tuple[float, ...] = field(default=DEFAULT_CLIP_GRID)
+    calibration_tokens: int = 8192
+    calibration_sequence_length: int = 2048
+    heldout_tokens: int = 1024
+
+    def __post_init__(self):
+        self.clip_grid = tuple(float(r) for r in self.clip_grid)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def fail(name: str, message: str):
+            raise ValueError(f"OscarConfig.{name}: {message} (got {getattr(self, name)!r})")
+
+        def check_int(name: str, minimum: int):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail(name, "must be an integer")
+            if value < minimum:
+                fail(name, f"must be >= {minimum}")
+
+        if self.bits not in SUPPORTED_BITS or isinstance(self.bits, bool):
+            fail("bits", f"must be one of {SUPPORTED_BITS}")
+        if self.group_size is not None:
+            check_int("group_size", 1)
+        check_int("sink_tokens", 0)
+        check_int("window_tokens", 0)
+        check_int("demotion_block", 1)
+        for name in ("key_clip", "value_clip"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value not in CLIP_MODES:
+                    fail(name, f"must be one of {CLIP_MODES} or a ratio in (0, 1]")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+                fail(name, "must be a ratio in (0, 1] or one of " + str(CLIP_MODES))
+        if self.scale_dtype not in SCALE_DTYPES:
+            fail("scale_dtype", f"must be one of {SCALE_DTYPES}")
+        if self.key_target not in KEY_TARGETS:
+            fail("key_target", f"must be one of {KEY_TARGETS}")
+        if self.value_target not in VALUE_TARGETS:
+            fail("value_target", f"must be one of {VALUE_TARGETS}")
+        for name in ("per_head", "use_hadamard", "use_permutation"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        if not self.clip_grid or any(not 0.0 < r <= 1.0 for r in self.clip_grid):
+            fail("clip_grid", "must be a non-empty list of ratios in (0, 1]")
+        check_int("calibration_tokens", 1)
+        check_int("calibration_sequence_length", 16)
+        check_int("heldout_tokens", 0)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Checks the fields that depend on the model's head_dim."""
+        group = self.group_size or head_dim
+        if head_dim % group:
+            raise ValueError(f"OscarConfig.group_size: {group} does not divide the model's head_dim {head_dim}")
+        per_byte = 8 // self.bits if self.bits in (2, 4, 8) else 8
+        if self.bits < 16 and head_dim % per_byte:
+            raise ValueError(f"OscarConfig.bits: head_dim {head_dim} is not a multiple of {per_byte} codes per byte")
+
+    # ------------------------------------------------------------------ derived values
+    def clip_ratio(self, which: str, fitted: float | None) -> float:
+        """The clip ratio to use for `which` in {"key", "value"}, given the fitted value from the rotation file."""
+        mode = self.key_clip if which == "key" else self.value_clip
+        if mode == "none":
+            return 1.0
+        if mode == "fitted":
+            if fitted is None:
+                raise ValueError(
+                    f"OscarConfig.{which}_clip is 'fitted' but the rotations carry no fitted {which} clip; "
+                    f"calibrate with clip fitting or set {which}_clip to a ratio or 'none'"
+                )
+            return float(fitted)
+        return float(mode)
+
+    def history_bits_per_element(self, head_dim: int) -> float:
+        """Bits per element of the quantized history: codes plus the 16-bit (or 32-bit) scale and minimum."""
+        if self.bits == 16:
+            return 16.0
+        meta_bits = {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
+        return self.bits + 2 * meta_bits / (self.group_size or head_dim)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["clip_grid"] = list(self.clip_grid)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "OscarConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"OscarConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OscarConfig":
+        return cls.from_dict(json.loads(text))
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "OscarConfig":
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError("OscarConfig: a YAML config must be a mapping of field names to values")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.write_text(self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "OscarConfig":
+        path = Path(path)
+        text = path.read_text()
+        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+    def replace(self, **changes) -> "OscarConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,128 @@
+"""Which architectures and layer types OSCAR supports, and the refusal messages for the others.
+
+`layer_plan(config)` says, per decoder layer, what the cache does there:
+- `"oscar"`: a full-attention layer, stored as BF16 sink | INT2 history | BF16 recent window with OSCAR rotations;
+- `"sliding"`: a sliding-window layer (e.g. Gemma 3's local layers), kept as transformers' bounded BF16 window
+  (it is already small; quantizing it would cost accuracy for no memory).
+Anything else raises `UnsupportedModelError` naming the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .rotation import is_power_of_two
+
+# Families whose attention modules call `cache.update(...)` then `ALL_ATTENTION_FUNCTIONS` with post-RoPE q/k/v,
+# and that the test-suite covers.
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+# Known architectures we refuse, with the reason.
+REFUSED_MODEL_TYPES = {
+    "deepseek_v2": "multi-head latent attention (MLA) caches a compressed latent, not per-head keys and values",
+    "deepseek_v3": "multi-head latent attention (MLA) caches a compressed latent, not per-head keys and values",
+    "kimi_k2": "multi-head latent attention (MLA) caches a compressed latent, not per-head keys and values",
+    "gemma2": "attention-logit soft-capping is not implemented by the OSCAR attention",
+    "gpt_oss": "learned attention-sink logits are not implemented by the OSCAR attention",
+    "mamba": "state-space layers have no key/value cache",
+    "mamba2": "state-space layers have no key/value cache",
+    "jamba": "hybrid Mamba/attention caches are not supported",
+    "qwen3_next": "linear-attention (gated DeltaNet) layers are not supported",
+    "falcon_h1": "hybrid Mamba/attention caches are not supported",
+    "gemma3n": "Gemma 3n shares KV caches across layers inside its forward pass",
+    "llama4": "chunked attention layers are not supported",
+}
+
+SUPPORTED_LAYER_TYPES = {"full_attention": "oscar", "sliding_attention": "sliding"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or attention layout cannot use OscarCache."""
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the cache and the rotation files need to know about a model."""
+
+    model_type: str
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    plan: tuple[str, ...]  # per layer: "oscar" or "sliding"
+    sliding_windows: tuple[int | None, ...]
+
+    @property
+    def oscar_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.plan) if kind == "oscar")
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def text_config(config):
+    """The decoder config of a (possibly multimodal) model config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def model_geometry(config) -> ModelGeometry:
+    """Reads and checks a transformers config; raises `UnsupportedModelError` with the reason if OSCAR cannot apply."""
+    cfg = text_config(config)
+    model_type = getattr(cfg, "model_type", None) or getattr(config, "model_type", "unknown")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {REFUSED_MODEL_TYPES[model_type]}")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"model_type '{model_type}': encoder-decoder models are not supported")
+    for attr, reason in (
+        ("kv_lora_rank", "multi-head latent attention (MLA) caches a compressed latent, not per-head keys/values"),
+        ("attn_logit_softcapping", "attention-logit soft-capping is not implemented by the OSCAR attention"),
+    ):
+        if getattr(cfg, attr, None) is not None:
+            raise UnsupportedModelError(f"model_type '{model_type}' is not supported: {reason} ({attr} is set)")
+
+    n_layers = getattr(cfg, "num_hidden_layers", None)
+    n_heads = getattr(cfg, "num_attention_heads", None)
+    if n_layers is None or n_heads is None:
+        raise UnsupportedModelError(f"model_type '{model_type}': config has no num_hidden_layers/num_attention_heads")
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    if n_heads % n_kv:
+        raise UnsupportedModelError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    if not is_power_of_two(head_dim):
+        raise UnsupportedModelError(
+            f"head_dim {head_dim} is not a power of two: OSCAR's rotation uses a Sylvester Hadamard matrix and a "
+            "bit-reversal permutation of that size"
+        )
+
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        window = getattr(cfg, "sliding_window", None)
+        use_sliding = getattr(cfg, "use_sliding_window", window is not None)
+        layer_types = ["sliding_attention" if (window is not None and use_sliding) else "full_attention"] * n_layers
+    plan, windows = [], []
+    for i, layer_type in enumerate(layer_types):
+        if layer_type not in SUPPORTED_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"model_type '{model_type}' layer {i} has layer type '{layer_type}'; OscarCache supports "
+                f"{sorted(SUPPORTED_LAYER_TYPES)} (linear, chunked, latent or shared-KV attention layers are not supported)"
+            )
+        plan.append(SUPPORTED_LAYER_TYPES[layer_type])
+        windows.append(getattr(cfg, "sliding_window", None) if layer_type == "sliding_attention" else None)
+    if "oscar" not in plan:
+        raise UnsupportedModelError(
+            f"model_type '{model_type}' has no full-attention layer: every layer is a bounded sliding window, "
+            "so there is no long-context KV cache for OSCAR to compress"
+        )
+    return ModelGeometry(model_type, n_layers, n_heads, n_kv, head_dim, tuple(plan), tuple(windows))
+
+
+def check_attention_interface(model) -> None:
+    """Refuses models whose attention does not go through transformers' AttentionInterface."""
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} computes attention outside transformers' AttentionInterface, so the OSCAR "
+            "attention cannot be attached (the model code must call ALL_ATTENTION_FUNCTIONS.get_interface)"
+        )

@@ -1,0 +1,162 @@
+"""The one quantizer and the one packing convention of oscar-hf (pure torch; the Triton kernels mirror it).
+
+Quantizer (token-wise asymmetric, oscar-method.md §1.7): each row x (one token, one KV head, `head_dim` values,
+already rotated) is optionally clipped at τ = sort(|x|)[floor(r·d)], then every group of `group_size` consecutive
+values gets a scale s = (max − min) / (2^b − 1) and a minimum m, both stored in 16 bits, and codes
+c = round((x − m) / s) ∈ [0, 2^b − 1]; x̂ = c·s + m. Codes are computed from the *stored* (rounded) s and m, so
+that dequantization reproduces exactly what the quantizer intended.
+
+Packing convention ("planar", as OSCAR and HQQ): a row of d codes of b bits (b in {1, 2, 4, 8}) goes into d·b/8
+bytes; with k = 8/b codes per byte, byte j holds codes j, j + d/k, j + 2d/k, ... in bits 0, b, 2b, ...:
+
+    2 bits:  byte[j] = c[j] | c[j + d/4] << 2 | c[j + d/2] << 4 | c[j + 3d/4] << 6
+
+3-bit codes are stored as a 2-bit plane (low bits) followed by a 1-bit plane (high bit): 3 bits per element exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# --------------------------------------------------------------------------------------------- packing
+def _pack_planar_u8(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    d = codes.shape[-1]
+    if d % per_byte:
+        raise ValueError(f"cannot pack {d} codes of {bits} bits into whole bytes")
+    planes = codes.to(torch.uint8).reshape(*codes.shape[:-1], per_byte, d // per_byte)
+    packed = planes[..., 0, :].clone()
+    for p in range(1, per_byte):
+        packed |= planes[..., p, :] << (bits * p)
+    return packed
+
+
+def _unpack_planar_u8(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    planes = [(packed >> (bits * p)) & mask for p in range(per_byte)]
+    return torch.cat(planes, dim=-1)
+
+
+def pack_1bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` codes in {0, 1} -> `[..., d/8]` uint8, planar."""
+    return _pack_planar_u8(codes, 1)
+
+
+def unpack_1bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return _unpack_planar_u8(packed, 1)
+
+
+def pack_2bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` codes in [0, 3] -> `[..., d/4]` uint8: byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6."""
+    return _pack_planar_u8(codes, 2)
+
+
+def unpack_2bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_2bit_u8`: `[..., d/4]` uint8 -> `[..., d]` uint8 codes."""
+    return _unpack_planar_u8(packed, 2)
+
+
+def pack_4bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` codes in [0, 15] -> `[..., d/2]` uint8: byte j = c[j] | c[j + d/2] << 4."""
+    return _pack_planar_u8(codes, 4)
+
+
+def unpack_4bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    return _unpack_planar_u8(packed, 4)
+
+
+def pack_3bit_u8(codes: torch.Tensor) -> torch.Tensor:
+    """`[..., d]` codes in [0, 7] -> `[..., 3d/8]` uint8: the 2-bit plane of the low bits, then the 1-bit plane."""
+    return torch.cat([pack_2bit_u8(codes & 3), pack_1bit_u8(codes >> 2)], dim=-1)
+
+
+def unpack_3bit_u8(packed: torch.Tensor) -> torch.Tensor:
+    d = packed.shape[-1] * 8 // 3
+    low, high = packed[..., : d // 4], packed[..., d // 4 :]
+    return unpack_2bit_u8(low) | (unpack_1bit_u8(high) << 2)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packs `[..., d]` codes of `bits` bits into `[..., d·bits/8]` uint8."""
+    if bits == 3:
+        return pack_3bit_u8(codes)
+    if bits in (1, 2, 4, 8):
+        return _pack_planar_u8(codes, bits)
+    raise ValueError(f"no packing for {bits}-bit codes")
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 3:
+        return unpack_3bit_u8(packed)
+    if bits in (1, 2, 4, 8):
+        return _unpack_planar_u8(packed, bits)
+    raise ValueError(f"no packing for {bits}-bit codes")
+
+
+# --------------------------------------------------------------------------------------------- clipping
+def clip_threshold_index(ratio: float, d: int) -> int:
+    """Index into ascending sorted |x| whose value is the clip threshold: floor(ratio·d); d means "no clip"."""
+    return min(int(ratio * d + 1e-9), d)
+
+
+def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Clamps each row of `x` (`[..., d]`) to ±τ with τ = sort(|x|)[floor(ratio·d)]. ratio >= 1 is a no-op."""
+    d = x.shape[-1]
+    k = clip_threshold_index(ratio, d)
+    if k >= d:
+        return x
+    tau = x.abs().kthvalue(k + 1, dim=-1, keepdim=True).values
+    return torch.maximum(torch.minimum(x, tau), -tau)
+
+
+# --------------------------------------------------------------------------------------------- quantizer
+@dataclass
+class QuantizedRows:
+    """Packed rows: `codes` `[..., d·bits/8]` uint8 and `meta` `[..., d/group_size, 2]` (scale, minimum)."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    group_size: int
+
+
+def quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedRows:
+    """Token-wise asymmetric quantization of `x` `[..., d]` (float) into packed codes and (scale, minimum) pairs."""
+    if isinstance(meta_dtype, str):
+        meta_dtype = _META_DTYPES[meta_dtype]
+    d = x.shape[-1]
+    if d % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the row length {d}")
+    levels = (1 << bits) - 1
+    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    lo = xg.amin(-1)
+    hi = xg.amax(-1)
+    finfo = torch.finfo(meta_dtype)
+    scale = ((hi - lo) / levels).clamp(min=finfo.tiny, max=finfo.max).to(meta_dtype)
+    minimum = lo.clamp(min=finfo.min, max=finfo.max).to(meta_dtype)
+    s, m = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
+    codes = torch.round((xg - m) / s).clamp_(0, levels).to(torch.uint8).reshape(x.shape)
+    return QuantizedRows(pack_codes(codes, bits), torch.stack([scale, minimum], dim=-1), bits, group_size)
+
+
+def dequantize_rows(q: QuantizedRows | tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x̂ = code·scale + minimum, as `[..., d]` in `dtype`."""
+    if isinstance(q, tuple):
+        q = QuantizedRows(*q)
+    codes = unpack_codes(q.codes, q.bits)
+    d = codes.shape[-1]
+    cg = codes.float().reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
+    meta = q.meta.float()
+    out = cg * meta[..., 0:1] + meta[..., 1:2]
+    return out.reshape(codes.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int, clip_ratio: float = 1.0, meta_dtype="float16") -> torch.Tensor:
+    """clip → quantize → dequantize, returning a tensor like `x` (what the cache will give back for these rows)."""
+    return dequantize_rows(quantize_rows(clip_rows(x.float(), clip_ratio), bits, group_size, meta_dtype), x.dtype)

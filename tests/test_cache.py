@@ -1,0 +1,174 @@
+import pytest
+import torch
+
+from oscar_hf import OscarConfig
+from oscar_hf.cache import OscarLayer, claim_layer, rotate
+from oscar_hf.quant import fake_quantize
+
+H, D = 2, 16
+SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip=0.9, value_clip=1.0)
+
+
+def _rotations(h=H, d=D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(h, d, d, generator=g))[0], torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+
+
+def _layer(config=SMALL, exact_rotation=False, **kw):
+    # With the identity, rotating is exact, so states built from differently chunked inputs can be compared bitwise.
+    rk, rv = (torch.eye(D).expand(H, D, D),) * 2 if exact_rotation else _rotations()
+    return OscarLayer(rk, rv, config.clip_ratio("key", None), config.clip_ratio("value", None), config, **kw)
+
+
+def _states(n, batch=1, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, H, n, D, generator=g).to(dtype), torch.randn(batch, H, n, D, generator=g).to(dtype)
+
+
+def _feed(layer, keys, values, sizes):
+    start = 0
+    for n in sizes:
+        layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
+        start += n
+    return layer
+
+
+def _past(layer):
+    view = layer._make_view(layer.get_seq_length(), None, None)
+    return layer.dequantized_past(view)
+
+
+def test_prefill_routes_tokens_to_sink_history_and_recent():
+    layer = _layer()
+    k, v = _states(30)
+    out_k, out_v = layer.update(k, v)
+    # sink 4; the remaining 26 leave 8..11 in the recent window after demoting whole blocks of 4
+    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 16, 10)
+    assert layer.get_seq_length() == 30 and layer.get_mask_sizes(5) == (35, 0)
+    # plain-attention path: the returned states of a first prefill are the exact inputs
+    assert torch.allclose(out_k, k, atol=1e-6) and torch.allclose(out_v, v, atol=1e-6)
+
+
+def test_stored_past_is_rotated_clipped_and_quantized_exactly_as_specified():
+    layer = _layer()
+    k, v = _states(30)
+    layer.update(k, v)
+    rk, rv = layer.key_rotation, layer.value_rotation
+    kr, vr = rotate(k, rk), rotate(v, rv)
+    past_k, past_v = _past(layer)
+    assert torch.equal(past_k[:, :, :4], kr[:, :, :4]) and torch.equal(past_k[:, :, 20:], kr[:, :, 20:])
+    assert torch.equal(past_k[:, :, 4:20], fake_quantize(kr[:, :, 4:20], 2, D, 0.9))
+    assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))
+
+
+@pytest.mark.parametrize("sizes", [[1] * 41, [7] * 5 + [6], [3, 1, 20, 1, 1, 15], [41]])
+def test_state_does_not_depend_on_how_tokens_arrive(sizes):
+    k, v = _states(41)
+    reference = _feed(_layer(exact_rotation=True), k, v, [41])
+    layer = _feed(_layer(exact_rotation=True), k, v, sizes)
+    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (
+        reference.n_sink, reference.history_keys.length, reference.n_recent)
+    for a, b in zip(_past(layer), _past(reference)):
+        assert torch.equal(a, b)
+
+
+def test_decode_demotes_in_blocks_and_keeps_the_window():
+    layer = _layer()
+    k, v = _states(60)
+    seen = []
+    for t in range(60):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        seen.append(layer.n_recent)
+        assert layer.history_keys.length % 4 == 0
+    assert max(seen[20:]) == 11 and min(seen[20:]) == 8
+
+
+def test_crop_with_past_recording_leaves_no_trace():
+    k, v = _states(40)
+    for keep in (30, 27, 25):
+        layer = _feed(_layer(exact_rotation=True), k, v, [25])
+        layer.activate_past_recording()
+        layer.update(k[:, :, 25:30], v[:, :, 25:30])  # candidates: not demoted while recording
+        assert layer.history_keys.length == _feed(_layer(), k, v, [25]).history_keys.length
+        layer.crop(keep - 30)
+        fresh = _feed(_layer(exact_rotation=True), k, v, [keep])
+        assert layer.get_seq_length() == keep
+        for a, b in zip(_past(layer), _past(fresh)):
+            assert torch.equal(a, b)
+
+
+def test_crop_reaches_into_history_and_sink():
+    layer = _feed(_layer(), *_states(30), [30])
+    layer.crop(-12)  # 10 recent + 2 history
+    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 14, 0)
+    layer.crop(-16)
+    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (2, 0, 0)
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(3)
+
+
+def test_beam_reorder_and_batch_ops_apply_to_all_three_segments():
+    k, v = _states(30, batch=3)
+    layer = _feed(_layer(), k, v, [30])
+    before_k, before_v = _past(layer)
+    idx = torch.tensor([2, 0, 0])
+    layer.reorder_cache(idx)
+    after_k, after_v = _past(layer)
+    assert torch.equal(after_k, before_k[idx]) and torch.equal(after_v, before_v[idx])
+    layer.batch_select_indices(torch.tensor([0]))
+    assert torch.equal(_past(layer)[0], before_k[[2]])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(_past(layer)[0], before_k[[2, 2]])
+
+
+def test_reset_and_reuse():
+    layer = _feed(_layer(), *_states(30), [30])
+    layer.reset()
+    assert layer.get_seq_length() == 0 and not layer.is_initialized
+    _feed(layer, *_states(9, seed=5), [9])
+    assert layer.get_seq_length() == 9
+
+
+def test_memory_at_128k_matches_the_paper_accounting():
+    config = OscarConfig(key_clip="none", value_clip="none")
+    n = 131072
+    rk = torch.eye(128).expand(1, 128, 128)
+    layer = OscarLayer(rk, rk, 1.0, 1.0, config, max_cache_len=n)
+    k = torch.randn(1, 1, n, 128, dtype=torch.bfloat16)
+    layer.update(k, k)
+    m = layer.memory_bytes()
+    used_bits = 8 * m["used"] / m["elements"]
+    assert used_bits == pytest.approx(2.25 + 320 * (16 - 2.25) / n, rel=1e-9)  # 2.2836, the paper's "2.28"
+    assert 2.28 < 8 * m["allocated"] / m["elements"] < 2.29
+
+
+def test_bits_16_keeps_a_dense_history():
+    layer = _layer(OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_clip="none", value_clip="none"))
+    k, v = _states(30)
+    layer.update(k, v)
+    past_k, _ = _past(layer)
+    assert torch.allclose(past_k, rotate(k, layer.key_rotation), atol=0)
+
+
+def test_non_finite_states_are_refused():
+    k, v = _states(10)
+    v[0, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        _layer().update(k, v)
+
+
+def test_wrong_head_count_is_refused():
+    k = torch.randn(1, 3, 5, D)
+    with pytest.raises(ValueError, match="3 KV heads"):
+        _layer().update(k, k)
+
+
+def test_fused_update_hands_the_layer_to_the_attention_by_identity():
+    layer = _layer()
+    k, v = _states(6)
+    rk, rv = layer.update(k, v, fused=True)
+    assert claim_layer(torch.zeros(1)) is None
+    assert claim_layer(rk) is layer
+    assert claim_layer(rk) is None  # consumed once
+    view = layer.take_view()
+    assert view.past_length == 0 and view.chunk_keys is rk

@@ -1,0 +1,145 @@
+import json
+
+import pytest
+import torch
+
+from conftest import char_tokenizer, tiny_model
+from oscar_hf import OscarCache, OscarConfig, UnsupportedModelError
+from oscar_hf.calibrate import StatisticsCollector, attention_column_energy, calibrate, capturing
+from oscar_hf.models import model_geometry
+from oscar_hf.rotation import hadamard, orthogonality_error
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+SMALL = dict(calibration_tokens=256, calibration_sequence_length=128, heldout_tokens=64, sink_tokens=4,
+             window_tokens=8, demotion_block=4, clip_grid=(0.7, 0.85, 1.0))
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_calibrate_end_to_end(family, text_file):
+    model = tiny_model(family, attn="sdpa")
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    assert rot.layers == list(model_geometry(model.config).oscar_layers)
+    for table in (rot.key_rotations, rot.value_rotations):
+        for r in table.values():
+            assert r.shape == (2, 16, 16) and orthogonality_error(r) < 1e-5
+    assert set(rot.key_clips.values()) <= {0.7, 0.85, 1.0} and set(rot.value_clips) == set(rot.layers)
+    cal = rot.metadata["calibration"]
+    assert cal["tokens"] == 256 and cal["sequences"] == 2 and cal["heldout_tokens"] == 64
+    assert cal["data"]["source"].endswith("calib.txt") and len(cal["data"]["sha256"]) == 64
+    assert rot.metadata["method"] == {"key_target": "query", "value_target": "attention", "per_head": True, "composition": "U·H·P"}
+    assert "calibrated on 256 tokens" in rot.report.summary()
+    assert model.config._attn_implementation == "sdpa"  # restored
+    # and the rotations drive a cache
+    model.set_attn_implementation("oscar")
+    ids = torch.randint(4, 100, (1, 40))
+    model.generate(ids, max_new_tokens=5, past_key_values=OscarCache(model, rot, OscarConfig(**SMALL)), pad_token_id=0)
+
+
+def test_column_energy_matches_the_dense_computation():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 37, 8, generator=g), torch.randn(2, 3, 37, 8, generator=g)
+    energy = attention_column_energy(q, k, 0.4, block=8)
+    s = torch.einsum("bhgid,bhjd->bhgij", q.reshape(2, 3, 2, 37, 8).double(), k.double()) * 0.4
+    s = s.masked_fill(~torch.ones(37, 37, dtype=torch.bool).tril(), float("-inf"))
+    dense = torch.softmax(s, -1).square().sum(dim=(2, 3))
+    assert torch.allclose(energy, dense, atol=1e-5)
+
+
+def test_streaming_statistics_equal_a_direct_computation(text_file):
+    model = tiny_model("llama", attn="sdpa")
+    tok = char_tokenizer()
+    seqs = [torch.tensor(tok(TEXT[i * 300 : i * 300 + 90])["input_ids"]) for i in range(3)]
+    geometry = model_geometry(model.config)
+    streaming, recorder = StatisticsCollector(geometry), StatisticsCollector(geometry)
+    recorder.record = {}
+    per_seq = []
+    with capturing(model, streaming):
+        for s in seqs:
+            model(input_ids=s[None], use_cache=False)
+    with capturing(model, recorder):
+        for s in seqs:
+            model(input_ids=s[None], use_cache=False)
+            per_seq.append(dict(recorder.record))
+    for layer in geometry.oscar_layers:
+        qs = torch.cat([r[layer][0].double().reshape(2, -1, 16) for r in per_seq], 1)  # [H, g*N, d]
+        vs = torch.cat([r[layer][2].double() for r in per_seq], 1)
+        direct_q = torch.einsum("hnd,hne->hde", qs, qs) / qs.shape[1]
+        assert torch.allclose(streaming.layers[layer].target("query"), direct_q, atol=1e-8)
+        weights = torch.cat([attention_column_energy(r[layer][0][None], r[layer][1][None], r[layer][3])[0] for r in per_seq], 1)
+        direct_v = torch.einsum("hn,hnd,hne->hde", weights, vs, vs) / vs.shape[1]
+        assert torch.allclose(streaming.layers[layer].target("attention"), direct_v, atol=1e-8)
+        assert streaming.layers[layer].tokens == 270
+
+
+def test_ablation_options(text_file):
+    model = tiny_model("llama", attn="sdpa")
+    tok = char_tokenizer()
+    base = calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    shared = calibrate(model, tok, data=str(text_file), config=OscarConfig(per_head=False, **SMALL), progress=False,
+                       statistics=base.statistics)
+    for r in shared.key_rotations.values():
+        assert torch.equal(r[0], r[1])
+    ident = calibrate(model, tok, data=str(text_file), config=OscarConfig(key_target="identity", value_target="hadamard", **SMALL),
+                      progress=False, statistics=base.statistics)
+    assert torch.allclose(ident.key_rotations[0][0], torch.eye(16))
+    assert torch.allclose(ident.value_rotations[0][0].abs(), hadamard(16).abs().float())
+    # reusing statistics gives the same rotations as recomputing them
+    again = calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False, statistics=base.statistics)
+    assert torch.equal(again.key_rotations[1], base.key_rotations[1])
+
+
+def test_unsupported_architecture_is_refused_before_running(text_file):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=112, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
+        kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
+    with pytest.raises(UnsupportedModelError, match="latent attention"):
+        calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+
+
+def test_bad_inputs_are_reported(text_file, tmp_path):
+    model = tiny_model("llama", attn="sdpa")
+    tok = char_tokenizer()
+    with pytest.raises(ValueError, match="text has .* tokens but"):
+        calibrate(model, tok, data=str(text_file), config=OscarConfig(**{**SMALL, "calibration_tokens": 100_000}), progress=False)
+    with pytest.raises(ValueError, match="heldout_tokens"):
+        calibrate(model, tok, data=str(text_file), config=OscarConfig(**{**SMALL, "heldout_tokens": 10}), progress=False)
+    with pytest.raises(FileNotFoundError, match="neither a file"):
+        calibrate(model, tok, data=str(tmp_path / "missing.txt"), config=OscarConfig(**SMALL), progress=False)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"content": "x"}]))
+    with pytest.raises(ValueError, match="'text' field"):
+        calibrate(model, tok, data=str(bad), config=OscarConfig(**SMALL), progress=False)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="layer 1 produced non-finite"):
+        calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+
+
+def test_jsonl_data_and_recorded_description(tmp_path):
+    path = tmp_path / "calib.jsonl"
+    path.write_text("\n".join(json.dumps({"text": TEXT[i : i + 2000]}) for i in range(0, 8000, 2000)))
+    rot = calibrate(tiny_model("qwen2", attn="sdpa"), char_tokenizer(), data=str(path), config=OscarConfig(**SMALL), progress=False)
+    assert rot.metadata["calibration"]["data"]["documents"] == 4
+
+
+def test_device_map_models_calibrate(tmp_path, text_file):
+    """Layers dispatched by accelerate (here: some offloaded to disk, executed on the CPU) still calibrate."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama", attn="sdpa").save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, offload_folder=str(tmp_path / "off"))
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    assert rot.layers == [0, 1, 2]

@@ -1,0 +1,59 @@
+import pytest
+
+from oscar_hf import OscarConfig
+
+
+def test_defaults_match_the_paper():
+    c = OscarConfig()
+    assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block) == (2, 64, 256, 8)
+    assert c.history_bits_per_element(128) == 2.25
+    assert c.history_bits_per_element(64) == 2.5
+    assert OscarConfig(scale_dtype="float32").history_bits_per_element(128) == 2.5
+    assert OscarConfig(bits=16).history_bits_per_element(128) == 16
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("bits", 5), ("bits", True), ("group_size", 0), ("sink_tokens", -1), ("window_tokens", 1.5),
+        ("demotion_block", 0), ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
+        ("scale_dtype", "int8"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1),
+        ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),
+    ],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"OscarConfig\.{field}"):
+        OscarConfig(**{field: value})
+
+
+def test_json_and_yaml_round_trip(tmp_path):
+    c = OscarConfig(bits=4, group_size=32, key_clip=0.96, value_clip="none", per_head=False, clip_grid=(0.9, 1.0))
+    assert OscarConfig.from_json(c.to_json()) == c
+    assert OscarConfig.from_yaml(c.to_yaml()) == c
+    for name in ("c.json", "c.yaml"):
+        c.save(tmp_path / name)
+        assert OscarConfig.load(tmp_path / name) == c
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValueError, match="unknown field"):
+        OscarConfig.from_dict({"bitz": 2})
+    with pytest.raises(ValueError, match="mapping"):
+        OscarConfig.from_yaml("- 1\n- 2\n")
+
+
+def test_head_dim_dependent_checks():
+    OscarConfig(group_size=32).check_head_dim(128)
+    with pytest.raises(ValueError, match="group_size"):
+        OscarConfig(group_size=48).check_head_dim(128)
+    with pytest.raises(ValueError, match="bits"):
+        OscarConfig(bits=3).check_head_dim(12)
+
+
+def test_clip_ratio_resolution():
+    c = OscarConfig()
+    assert c.clip_ratio("key", 0.9) == 0.9
+    with pytest.raises(ValueError, match="key_clip"):
+        c.clip_ratio("key", None)
+    assert OscarConfig(key_clip="none").clip_ratio("key", 0.9) == 1.0
+    assert OscarConfig(value_clip=0.92).clip_ratio("value", 0.5) == 0.92

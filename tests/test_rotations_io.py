@@ -1,0 +1,185 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from oscar_hf import OscarRotations, RotationFileError
+from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME
+
+
+def _rotations(family="llama", kind="hadamard"):
+    rot = OscarRotations.data_free(tiny_config(family), kind)
+    rot.key_clips = {l: 0.9 for l in rot.layers}
+    rot.value_clips = {l: 0.95 for l in rot.layers}
+    rot.metadata["calibration"] = {"tokens": 123, "data": {"source": "unit-test"}}
+    return rot
+
+
+def test_save_and_load_round_trip(tmp_path):
+    rot = _rotations()
+    rot.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.layers == rot.layers == [0, 1, 2]
+    for l in rot.layers:
+        assert torch.equal(loaded.key_rotations[l], rot.key_rotations[l])
+        assert torch.equal(loaded.value_rotations[l], rot.value_rotations[l])
+    assert loaded.key_clips == rot.key_clips and loaded.value_clips == rot.value_clips
+    assert loaded.metadata["calibration"]["tokens"] == 123
+    loaded.validate_for(tiny_config("llama"))
+
+
+def test_gemma3_rotations_cover_only_full_attention_layers(tmp_path):
+    rot = OscarRotations.data_free(tiny_config("gemma3"), "identity")
+    assert rot.layers == [1, 3]
+    rot.save_pretrained(tmp_path)
+    assert OscarRotations.from_pretrained(tmp_path).layers == [1, 3]
+
+
+def _fake_hub_cache(cache: Path, repo: str, folder: Path, commit: str, branch: str = "main") -> None:
+    base = cache / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (base / "refs").mkdir(exist_ok=True)
+    (base / "refs" / branch).write_text(commit)
+
+
+def test_from_pretrained_resolves_repo_ids_through_the_offline_hub_cache(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    _rotations().save_pretrained(src)
+    cache = tmp_path / "hub"
+    _fake_hub_cache(cache, "org/tiny-oscar", src, "a" * 40)
+    other = tmp_path / "src2"
+    changed = _rotations()
+    changed.key_clips = {l: 0.8 for l in changed.layers}
+    changed.save_pretrained(other)
+    _fake_hub_cache(cache, "org/tiny-oscar", other, "b" * 40, branch="v2")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = OscarRotations.from_pretrained("org/tiny-oscar", cache_dir=str(cache))
+    assert loaded.key_clip(0) == 0.9
+    assert OscarRotations.from_pretrained("org/tiny-oscar", revision="v2", cache_dir=str(cache)).key_clip(0) == 0.8
+    assert OscarRotations.from_pretrained("org/tiny-oscar", revision="b" * 40, cache_dir=str(cache)).key_clip(0) == 0.8
+
+
+def test_push_to_hub_uploads_both_files(monkeypatch):
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls["create"] = (repo_id, exist_ok)
+
+        def upload_folder(self, repo_id, folder_path, path_in_repo, revision, commit_message):
+            calls["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            calls["upload"] = (repo_id, path_in_repo, revision)
+            return "commit-url"
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    assert _rotations().push_to_hub("org/model", subfolder="oscar", token="t") == "commit-url"
+    assert calls["files"] == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    assert calls["upload"] == ("org/model", "oscar", None) and calls["create"] == ("org/model", True)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("num_hidden_layers", 5), ("num_key_value_heads", 4), ("num_attention_heads", 8), ("model_type", "qwen3")],
+)
+def test_mismatch_with_the_model_names_field_and_both_values(field, value):
+    rot = _rotations()
+    cfg = tiny_config("llama")
+    if field == "model_type":
+        cfg = tiny_config("qwen3")
+    else:
+        setattr(cfg, field, value)
+    mine = rot.geometry[field]
+    with pytest.raises((RotationFileError, ValueError), match=rf"{field} is {mine!r} in the rotation file but {value!r}"):
+        rot.validate_for(cfg)
+
+
+def test_head_dim_mismatch_is_reported():
+    rot = _rotations()
+    cfg = tiny_config("llama", head_dim=32)
+    with pytest.raises(RotationFileError, match="head_dim is 16 in the rotation file but 32"):
+        rot.validate_for(cfg)
+
+
+def _rewrite(tmp_path, edit_json=None, edit_tensors=None):
+    _rotations().save_pretrained(tmp_path)
+    if edit_json:
+        meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+        edit_json(meta)
+        (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    if edit_tensors:
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(str(tmp_path / WEIGHTS_NAME))
+        edit_tensors(t)
+        save_file(t, str(tmp_path / WEIGHTS_NAME))
+
+
+def test_non_orthogonal_rotation_is_rejected(tmp_path):
+    def scale(t):
+        t["layers.1.key_rotation"] = t["layers.1.key_rotation"] * 1.01
+
+    _rewrite(tmp_path, edit_tensors=scale)
+    with pytest.raises(RotationFileError, match="layers.1.key_rotation is not orthogonal"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_nan_rotation_is_rejected(tmp_path):
+    def poison(t):
+        t["layers.0.value_rotation"][0, 0, 0] = float("nan")
+
+    _rewrite(tmp_path, edit_tensors=poison)
+    with pytest.raises(RotationFileError, match="NaN"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_wrong_shape_is_rejected(tmp_path):
+    def shrink(t):
+        t["layers.2.value_rotation"] = torch.eye(16).expand(1, 16, 16).contiguous()
+
+    _rewrite(tmp_path, edit_tensors=shrink)
+    with pytest.raises(RotationFileError, match=r"layers.2.value_rotation has shape \(1, 16, 16\)"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_unexpected_tensor_is_rejected(tmp_path):
+    _rewrite(tmp_path, edit_tensors=lambda t: t.update({"evil": torch.zeros(1)}))
+    with pytest.raises(RotationFileError, match="unexpected tensor 'evil'"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_format_version_and_kind_are_checked(tmp_path):
+    _rewrite(tmp_path, edit_json=lambda m: m.update({"format_version": 99}))
+    with pytest.raises(RotationFileError, match="format_version 99"):
+        OscarRotations.from_pretrained(tmp_path)
+    _rewrite(tmp_path, edit_json=lambda m: m.update({"format": "something-else"}))
+    with pytest.raises(RotationFileError, match="not an OSCAR rotation file"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_clip_values_are_checked(tmp_path):
+    _rewrite(tmp_path, edit_json=lambda m: m["clip"]["key"].update({"0": 1.5}))
+    with pytest.raises(RotationFileError, match="clip ratios"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_missing_or_corrupt_files(tmp_path):
+    with pytest.raises(RotationFileError, match="is missing"):
+        OscarRotations.from_pretrained(tmp_path)
+    _rotations().save_pretrained(tmp_path)
+    (tmp_path / WEIGHTS_NAME).write_bytes(b"not a safetensors file")
+    with pytest.raises(RotationFileError, match="not a readable safetensors"):
+        OscarRotations.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("{broken")
+    with pytest.raises(RotationFileError, match="not valid JSON"):
+        OscarRotations.from_pretrained(tmp_path)
