@@ -19,6 +19,6 @@ demo: install
 	$(BIN)/oscar-hf demo
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q
 
 .PHONY: install demo test
