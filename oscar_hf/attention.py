@@ -6,8 +6,9 @@ For layers that are not OSCAR layers (sliding-window layers, or a model run with
 
 Math, per KV head h with GQA group g (query heads h·g .. h·g+g-1):
     q̃ = q·R_K[h];  scores = q̃·[K̃_sink | K̂_hist | K̃_recent | K̃_chunk]ᵀ · scale;  õ = softmax(scores)·Ṽ;  o = õ·R_V[h]ᵀ
-Decode steps (few queries) compute one partial (output, log-sum-exp) per segment and merge them by log-sum-exp — the
-torch twin of the split-K kernel. Longer chunks (prefill) dequantize the history and run one sdpa call.
+computed by `ops.segment_attention`: the split-K Triton kernel that reads packed INT2 directly and merges the segments
+by log-sum-exp on CUDA, its torch twin elsewhere. A first prefill (empty cache) attends only to itself in full
+precision and is plain sdpa on the un-rotated states.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import ops
 from .cache import ATTENTION_NAME, LayerView, claim_layer, rotate
 from .quant import QuantizedRows, dequantize_rows
 
-# Queries per forward pass up to which the segment-wise (decode) path is used.
-DECODE_MAX_QUERIES = 16
+QUERY_BLOCK = 4096  # query tokens per kernel call for long chunks
 
 
 def merge_attention_states(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merges partial attention results over disjoint key sets.
+    """Merges partial attention results over disjoint key sets (the torch twin of the kernel's stage 2).
 
     Args:
         outputs: each `[..., T, d]` float32, softmax-normalised within its own key set.
@@ -43,103 +44,65 @@ def merge_attention_states(outputs: list[torch.Tensor], lses: list[torch.Tensor]
     return out, safe_top + torch.log(total)
 
 
-def partial_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped queries over one key segment, with its log-sum-exp.
+def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """`[B, 1, T, N]` causal+padding mask (bool, or additive float) -> `[B, N]` bool: the keys a row may see at all.
 
-    Args:
-        query: `[B, H, g·T, d]` (query heads grouped under their KV head).
-        keys, values: `[B, H, n, d]`.
-        mask: bool `[B, 1 or H, g·T, n]` (True = attend) or None.
-
-    Returns:
-        output `[B, H, g·T, d]` float32 and lse `[B, H, g·T]` float32.
+    The last query row sees every earlier position, so its row is exactly the padding mask; causality comes from
+    positions inside `ops.segment_attention`.
     """
-    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-    return torch.matmul(probs, values.float()), lse
+    if attention_mask is None:
+        return None
+    row = attention_mask[:, 0, -1, :]
+    if row.dtype != torch.bool:
+        row = row > torch.finfo(row.dtype).min / 2
+    return row
 
 
 def _dense(rows: QuantizedRows | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rows.to(dtype) if isinstance(rows, torch.Tensor) else dequantize_rows(rows, dtype)
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """`[B, Hq, T, d]` -> `[B, H, g·T, d]` (the g query heads of each KV head stacked)."""
-    b, hq, t, d = x.shape
-    return x.reshape(b, kv_heads, (hq // kv_heads) * t, d)
-
-
-def _grouped_mask(mask: torch.Tensor | None, kv_heads: int, groups: int) -> torch.Tensor | None:
-    """`[B, 1, T, n]` bool -> `[B, 1, g·T, n]` matching `_grouped` queries."""
-    if mask is None:
-        return None
-    b, h, t, n = mask.shape
-    if h != 1:
-        raise ValueError("the OSCAR attention expects a head-independent mask [B, 1, T, kv]")
-    return mask.unsqueeze(2).expand(b, 1, groups, t, n).reshape(b, 1, groups * t, n)
-
-
-def _segment_mask(mask, start, end, groups, kv_heads):
-    return None if mask is None else _grouped_mask(mask[..., start:end], kv_heads, groups)
-
-
 def oscar_segment_attention(
-    view: LayerView, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+    module, view: LayerView, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, **kwargs
 ) -> torch.Tensor:
-    """Attention of (un-rotated) `query` `[B, Hq, T, d]` over one layer's segments; returns `[B, Hq, T, d]`.
-
-    `attention_mask`: bool `[B, 1, T, past_length + T]` (True = attend) as built by transformers' sdpa mask, or
-    None for a causal pass with no padding.
-    """
-    b, hq, t, d = query.shape
-    kv_heads = view.key_rotation.shape[0]
-    groups = hq // kv_heads
-    dtype = query.dtype
-    q_rot = rotate(query.reshape(b, kv_heads, groups, t, d), view.key_rotation.unsqueeze(1)).reshape(b, hq, t, d)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2  # additive float mask
-    past = view.past_length
-    if attention_mask is None and t > 1:
-        causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-        attention_mask = torch.cat([torch.ones(t, past, dtype=torch.bool, device=query.device), causal], dim=1)
-        attention_mask = attention_mask.expand(b, 1, t, past + t)
-
-    if t <= DECODE_MAX_QUERIES:
-        q = _grouped(q_rot, kv_heads)
-        ns, nh = view.sink_keys.shape[2], view.history_length
-        segments = [
-            (view.sink_keys, view.sink_values, 0),
-            (_dense(view.history_keys, dtype), _dense(view.history_values, dtype), ns),
-            (view.recent_keys, view.recent_values, ns + nh),
-            (view.chunk_keys, view.chunk_values, past),
-        ]
-        outs, lses = [], []
-        for keys, values, start in segments:
-            n = keys.shape[2]
-            if n == 0:
-                continue
-            o, lse = partial_attention(q, keys, values, scale, _segment_mask(attention_mask, start, start + n, groups, kv_heads))
-            outs.append(o)
-            lses.append(lse)
-        out, _ = merge_attention_states(outs, lses)
-        out_rot = out.reshape(b, hq, t, d).to(dtype)
-    else:
-        keys = torch.cat([view.sink_keys, _dense(view.history_keys, dtype), view.recent_keys, view.chunk_keys], dim=2)
-        values = torch.cat(
-            [view.sink_values, _dense(view.history_values, dtype), view.recent_values, view.chunk_values], dim=2
+    """Attention of (un-rotated) `query` `[B, Hq, T, d]` over one layer's cache; returns `[B, T, Hq, d]`."""
+    if view.past_length == 0:
+        out, _ = sdpa_attention_forward(
+            module, query, view.original_keys, view.original_values, attention_mask, scaling=scale, **kwargs
         )
-        keys = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
-        values = values.repeat_interleave(groups, dim=1) if groups > 1 else values
-        out_rot = torch.nn.functional.scaled_dot_product_attention(q_rot, keys, values, attn_mask=attention_mask, scale=scale)
-        # Rows with no visible key (left padding) come out NaN from sdpa; they are ignored downstream, zero them.
-        out_rot = torch.nan_to_num(out_rot, nan=0.0)
+        return out
+    b, hq, t, d = query.shape
+    heads = view.key_rotation.shape[0]
+    groups = hq // heads
+    q_rot = rotate(query.reshape(b, heads, groups, t, d), view.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
+    sink_k, sink_v = view.sink_keys, view.sink_values
+    hist_k, hist_v = view.history_keys, view.history_values
+    if isinstance(hist_k, QuantizedRows) and hist_k.bits == 2:
+        codes_k, meta_k, codes_v, meta_v = hist_k.codes, hist_k.meta, hist_v.codes, hist_v.meta
+    else:
+        # Other widths: the history joins the sink as one dense segment (positions stay contiguous).
+        sink_k = torch.cat([sink_k, _dense(hist_k, sink_k.dtype)], dim=2)
+        sink_v = torch.cat([sink_v, _dense(hist_v, sink_v.dtype)], dim=2)
+        codes_k = codes_v = sink_k.new_empty(b, heads, 0, d // 4, dtype=torch.uint8)
+        meta_k = meta_v = sink_k.new_empty(b, heads, 0, 1, 2, dtype=torch.float16)
+    key_mask = key_padding_mask(attention_mask)
+    extra_k, extra_v = view.extra_keys, view.extra_values
+    q_rot = q_rot.reshape(b, heads, groups, t, d)
+    outs = []
+    # A long chunk is processed in blocks of queries, which bounds the kernel's partial-result buffers.
+    for t0 in range(0, t, QUERY_BLOCK):
+        t1 = min(t0 + QUERY_BLOCK, t)
+        n_extra = min(extra_k.shape[2], t1)  # the chunk's own keys a query of this block can see
+        block, _ = ops.segment_attention(
+            q_rot[:, :, :, t0:t1].reshape(b, heads, groups * (t1 - t0), d), sink_k, sink_v, codes_k, meta_k, codes_v,
+            meta_v, view.recent_keys, view.recent_values, extra_k, extra_v, key_mask,
+            sink_k.shape[2], codes_k.shape[2], view.recent_keys.shape[2], n_extra, t1 - t0, view.past_length + t0, scale,
+        )
+        outs.append(block.reshape(b, heads, groups, t1 - t0, d))
+    out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     vt = view.value_rotation.transpose(-1, -2).unsqueeze(1)
-    return rotate(out_rot.reshape(b, kv_heads, groups, t, d), vt).reshape(b, hq, t, d)
+    out = rotate(out_rot, vt).reshape(b, hq, t, d)
+    return out.transpose(1, 2).contiguous()
 
 
 def oscar_attention_forward(
@@ -162,8 +125,7 @@ def oscar_attention_forward(
         raise ValueError("an OSCAR layer received a sliding-window attention call; this layer should not be OSCAR")
     view = layer.take_view()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = oscar_segment_attention(view, query, attention_mask, scale)
-    return out.transpose(1, 2).contiguous(), None
+    return oscar_segment_attention(module, view, query, attention_mask, scale, dropout=dropout), None
 
 
 def register() -> None:

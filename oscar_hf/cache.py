@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from .config import OscarConfig
 from .models import check_attention_interface, text_config
+from . import ops
 from .quant import QuantizedRows, clip_rows, dequantize_rows, quantize_rows
 from .rotations_io import OscarRotations
 
@@ -85,19 +86,25 @@ class _History:
             new[name][:, :, : self.length] = buf[:, :, : self.length]
         self.buffers = new
 
-    def append(self, rows: torch.Tensor, bulk: bool) -> None:
-        """Clips, quantizes and packs `rows` `[B, H, n, d]` (already rotated) after the valid history."""
+    def append(self, rows: torch.Tensor, bulk: bool, rotation: torch.Tensor | None = None) -> None:
+        """Appends `rows` `[B, H, n, d]` after the valid history: rotated by `rotation` `[H, d, d]` first if given
+        (otherwise already rotated), clipped, quantized and packed (`ops.quantize_pack`: one fused kernel on CUDA)."""
         n = rows.shape[2]
         if n == 0:
             return
         self.reserve(rows, self.length + n, bulk)
         end = self.length + n
-        if self.bits == 16:
-            self.buffers["dense"][:, :, self.length : end] = rows
+        if self.bits == 2:
+            ops.quantize_pack(rows, rotation, self.clip_ratio, self.buffers["codes"], self.buffers["meta"], self.length)
         else:
-            q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
-            self.buffers["codes"][:, :, self.length : end] = q.codes
-            self.buffers["meta"][:, :, self.length : end] = q.meta
+            if rotation is not None:
+                rows = rotate(rows, rotation)
+            if self.bits == 16:
+                self.buffers["dense"][:, :, self.length : end] = rows
+            else:
+                q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
+                self.buffers["codes"][:, :, self.length : end] = q.codes
+                self.buffers["meta"][:, :, self.length : end] = q.meta
         self.length = end
 
     def packed(self, start: int, end: int) -> QuantizedRows | torch.Tensor:
@@ -123,19 +130,23 @@ class _History:
 
 @dataclass
 class LayerView:
-    """What the attention function needs from one OSCAR layer for one forward pass.
+    """What the attention function needs from one OSCAR layer for one forward pass of `chunk_length` tokens.
 
-    All key/value tensors are rotated. Positions: sink `[0, ns)`, history `[ns, ns + nh)`, recent
-    `[ns + nh, past_length)`, then the current chunk `[past_length, past_length + n)`.
+    Key/value segments are rotated; positions: sink `[0, ns)`, history `[ns, ns + nh)`, recent `[ns + nh, ...)`,
+    then `extra` (when the current chunk is not all in the recent window). Three cases:
+    - `past_length == 0`: the chunk only attends to itself: `original_keys/values` hold it un-rotated and the
+      attention is plain sdpa (exactly a BF16 prefill); the segments are empty.
+    - the chunk is entirely in the recent window (decode, short chunks): the segments are the whole stored cache.
+    - otherwise (a long chunk onto a filled cache): the segments are the past only and `extra` is the rotated chunk.
 
     Attributes:
         key_rotation, value_rotation: `[H, d, d]` in the compute dtype.
         sink_keys, sink_values: `[B, H, ns, d]`.
-        history_keys, history_values: `QuantizedRows` views (codes `[B, H, nh, d·bits/8]`, meta `[B, H, nh, G, 2]`),
-            or dense `[B, H, nh, d]` tensors when bits == 16.
+        history_keys, history_values: `QuantizedRows` (codes `[B, H, nh, d·bits/8]`, meta `[B, H, nh, G, 2]`), or dense
+            `[B, H, nh, d]` tensors when bits == 16.
         recent_keys, recent_values: `[B, H, nr, d]`.
-        chunk_keys, chunk_values: `[B, H, n, d]` the exact (rotated) states of the current forward pass.
-        past_length: ns + nh + nr.
+        extra_keys, extra_values: `[B, H, ne, d]` (ne = 0 or chunk_length).
+        original_keys, original_values: `[B, H, n, d]` un-rotated chunk (only when past_length == 0).
     """
 
     key_rotation: torch.Tensor
@@ -146,9 +157,12 @@ class LayerView:
     history_values: QuantizedRows | torch.Tensor
     recent_keys: torch.Tensor
     recent_values: torch.Tensor
-    chunk_keys: torch.Tensor
-    chunk_values: torch.Tensor
+    extra_keys: torch.Tensor
+    extra_values: torch.Tensor
     past_length: int
+    chunk_length: int
+    original_keys: torch.Tensor | None = None
+    original_values: torch.Tensor | None = None
 
     @property
     def history_length(self) -> int:
@@ -245,8 +259,8 @@ class OscarLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores `key_states`/`value_states` `[B, H, n, d]` (post-RoPE) and returns what attention needs.
 
-        fused=True (attention "oscar"): returns the rotated new states and leaves a `LayerView` for the attention
-        function. fused=False (any other attention): returns the full history dequantized and un-rotated, followed by
+        fused=True (attention "oscar"): returns the new states as they are and leaves a `LayerView` for the
+        attention function. fused=False (any other attention): returns the full history dequantized and un-rotated, followed by
         the exact new states, `[B, H, past + n, d]`.
         """
         if not self.is_initialized:
@@ -260,15 +274,13 @@ class OscarLayer(CacheLayerMixin):
                 "(with float16, overflow is a common cause; try bfloat16)"
             )
         past_length = self.get_seq_length()
-        chunk_keys = rotate(key_states, self.key_rotation)
-        chunk_values = rotate(value_states, self.value_rotation)
-        self._append(chunk_keys, chunk_values)
-        view = self._make_view(past_length, chunk_keys, chunk_values)
+        self._append(key_states, value_states)
         if fused:
-            self._view = view
-            _handoff.pending = (self, chunk_keys)
-            return chunk_keys, chunk_values
-        past_keys, past_values = self.dequantized_past(view)
+            self._view = self._make_view(past_length, key_states, value_states)
+            _handoff.pending = (self, key_states)
+            return key_states, value_states
+        # Plain attention: the stored past, dequantized and un-rotated, then the exact new states.
+        past_keys, past_values = self.dequantized_past(self._segments(past_length))
         rt_k, rt_v = self.key_rotation.transpose(-1, -2), self.value_rotation.transpose(-1, -2)
         keys = torch.cat([rotate(past_keys, rt_k), key_states], dim=2)
         values = torch.cat([rotate(past_values, rt_v), value_states], dim=2)
@@ -342,30 +354,45 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ segments
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Routes rotated states to sink, then recent; demotes recent overflow into the history."""
+        """Routes un-rotated states `[B, H, n, d]`: the first tokens of a sequence to the sink, the rest to the recent
+        window; whole blocks of the oldest recent tokens beyond `window_tokens` are demoted into the history. Tokens
+        of a long chunk that go straight to the history are rotated inside the fused quantize kernel."""
         cfg, n = self.config, keys.shape[2]
+        rk, rv = self.key_rotation, self.value_rotation
         take = min(cfg.sink_tokens - self.n_sink, n) if self.history_keys.length + self.n_recent == 0 else 0
         if take > 0:
-            self.sink_keys[:, :, self.n_sink : self.n_sink + take] = keys[:, :, :take]
-            self.sink_values[:, :, self.n_sink : self.n_sink + take] = values[:, :, :take]
+            self.sink_keys[:, :, self.n_sink : self.n_sink + take] = rotate(keys[:, :, :take], rk)
+            self.sink_values[:, :, self.n_sink : self.n_sink + take] = rotate(values[:, :, :take], rv)
             self.n_sink += take
             keys, values = keys[:, :, take:], values[:, :, take:]
         m = keys.shape[2]
         if m == 0:
             return
-        if self.n_recent + m <= self.recent_keys.shape[2] and (
-            self.record_past or self.n_recent + m < cfg.window_tokens + cfg.demotion_block
-        ):
-            # Decode fast path: write in place, nothing to demote.
-            self.recent_keys[:, :, self.n_recent : self.n_recent + m] = keys
-            self.recent_values[:, :, self.n_recent : self.n_recent + m] = values
-            self.n_recent += m
+        pool = self.n_recent + m
+        demote = 0
+        if not self.record_past and pool >= cfg.window_tokens + cfg.demotion_block:
+            demote = (pool - cfg.window_tokens) // cfg.demotion_block * cfg.demotion_block
+        from_recent, from_new = min(demote, self.n_recent), max(demote - self.n_recent, 0)
+        bulk = demote > cfg.demotion_block
+        if from_recent:
+            self.history_keys.append(self.recent_keys[:, :, :from_recent], bulk)
+            self.history_values.append(self.recent_values[:, :, :from_recent], bulk)
+        if from_new:
+            self.history_keys.append(keys[:, :, :from_new], bulk, rotation=rk)
+            self.history_values.append(values[:, :, :from_new], bulk, rotation=rv)
+        new_keys = rotate(keys[:, :, from_new:], rk)
+        new_values = rotate(values[:, :, from_new:], rv)
+        kept = self.n_recent - from_recent
+        if from_recent == 0 and kept + new_keys.shape[2] <= self.recent_keys.shape[2]:
+            # Decode fast path: write in place.
+            self.recent_keys[:, :, kept : kept + new_keys.shape[2]] = new_keys
+            self.recent_values[:, :, kept : kept + new_keys.shape[2]] = new_values
+            self.n_recent = kept + new_keys.shape[2]
             return
-        pool_keys = torch.cat([self.recent_keys[:, :, : self.n_recent], keys], dim=2)
-        pool_values = torch.cat([self.recent_values[:, :, : self.n_recent], values], dim=2)
-        self._set_recent(pool_keys, pool_values)
-        if not self.record_past:  # while recording (assisted decoding), demotion waits for `crop`
-            self._demote_overflow()
+        self._set_recent(
+            torch.cat([self.recent_keys[:, :, from_recent : self.n_recent], new_keys], dim=2),
+            torch.cat([self.recent_values[:, :, from_recent : self.n_recent], new_values], dim=2),
+        )
 
     def _set_recent(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         n = keys.shape[2]
@@ -395,10 +422,12 @@ class OscarLayer(CacheLayerMixin):
         keep_values = self.recent_values[:, :, start : self.n_recent].clone()
         self._set_recent(keep_keys, keep_values)
 
-    def _make_view(self, past_length: int, chunk_keys: torch.Tensor, chunk_values: torch.Tensor) -> LayerView:
-        ns = min(self.n_sink, past_length)
-        nh = min(self.history_keys.length, max(past_length - self.n_sink, 0))
-        nr = max(past_length - self.n_sink - self.history_keys.length, 0)
+    def _segments(self, upto: int) -> LayerView:
+        """The stored segments restricted to positions < `upto` (no chunk)."""
+        ns = min(self.n_sink, upto)
+        nh = min(self.history_keys.length, max(upto - self.n_sink, 0))
+        nr = min(self.n_recent, max(upto - self.n_sink - self.history_keys.length, 0))
+        empty = self.sink_keys[:, :, :0]
         return LayerView(
             key_rotation=self.key_rotation,
             value_rotation=self.value_rotation,
@@ -408,10 +437,29 @@ class OscarLayer(CacheLayerMixin):
             history_values=self.history_values.packed(0, nh),
             recent_keys=self.recent_keys[:, :, :nr],
             recent_values=self.recent_values[:, :, :nr],
-            chunk_keys=chunk_keys,
-            chunk_values=chunk_values,
-            past_length=past_length,
+            extra_keys=empty,
+            extra_values=empty,
+            past_length=upto,
+            chunk_length=0,
         )
+
+    def _make_view(self, past_length: int, keys: torch.Tensor, values: torch.Tensor) -> LayerView:
+        n = keys.shape[2]
+        total = self.get_seq_length()
+        if past_length == 0:
+            view = self._segments(0)
+            view.original_keys, view.original_values = keys, values
+        elif self.n_recent >= n:
+            view = self._segments(total)  # the chunk sits at the end of the recent window
+        else:
+            view = self._segments(past_length)
+            view.extra_keys, view.extra_values = rotate(keys, self.key_rotation), rotate(values, self.value_rotation)
+        view.past_length, view.chunk_length = past_length, n
+        return view
+
+    def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored tokens as rotated dense tensors `[B, H, seq_len, d]` (history dequantized), for inspection."""
+        return self.dequantized_past(self._segments(self.get_seq_length()))
 
     def dequantized_past(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
         """The past of `view` as rotated dense tensors `[B, H, past_length, d]` in the model dtype."""

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+
 import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU in the interpreter (set before oscar_hf.kernels is first imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import oscar_hf  # noqa: F401  (registers the "oscar" attention)
 

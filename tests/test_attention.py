@@ -2,35 +2,79 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import oscar_hf.attention as attention
 from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
-from oscar_hf.attention import merge_attention_states, partial_attention
+from oscar_hf.attention import key_padding_mask, merge_attention_states
+from oscar_hf.ops import segment_attention_reference
+from oscar_hf.quant import dequantize_rows, quantize_rows
 
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4)
 
 
-def _reference(q, k, v, scale, mask):
+def _masked_attention(q, k, v, scale, mask):
+    """float64 reference: softmax(q kᵀ·scale, masked) v and its log-sum-exp; empty rows -> 0, -inf."""
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, -1) @ v.double()
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return p @ v.double(), lse
 
 
 def test_log_sum_exp_merge_equals_attention_over_the_union():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
+    q = torch.randn(2, 3, 5, 8, generator=g)
     k, v = torch.randn(2, 3, 30, 8, generator=g), torch.randn(2, 3, 30, 8, generator=g)
     mask = torch.rand(2, 1, 5, 30, generator=g) > 0.3
     mask[0, 0, 2] = False  # a query row with no visible key
     mask[:, :, :, 10:14] = False  # a fully masked segment
-    parts = [partial_attention(q, k[:, :, a:b], v[:, :, a:b], 0.3, mask[..., a:b]) for a, b in [(0, 10), (10, 14), (14, 30)]]
+    parts = [_masked_attention(q, k[:, :, a:b], v[:, :, a:b], 0.3, mask[..., a:b]) for a, b in [(0, 10), (10, 14), (14, 30)]]
     out, lse = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
-    ref = _reference(q, k, v, 0.3, mask)
+    ref, ref_lse = _masked_attention(q, k, v, 0.3, mask)
     ok = mask.any(-1).expand(2, 3, 5)
-    assert torch.allclose(out[ok].double(), ref[ok], atol=1e-5)
+    assert torch.allclose(out[ok], ref[ok], atol=1e-9) and torch.allclose(lse[ok], ref_lse[ok])
     assert (out[~ok] == 0).all() and torch.isinf(lse[~ok]).all()
-    full = torch.logsumexp(((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~mask, float("-inf")), -1)
-    assert torch.allclose(lse[ok], full[ok], atol=1e-5)
+
+
+def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1, dtype=torch.float32, seed=0, mask=True):
+    """Random inputs for `segment_attention` plus the dense float64 picture of the same keys/values."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q = rnd(b, h, g * t, d).to(dtype)
+    sink_k, sink_v = rnd(b, h, ns + 3, d).to(dtype), rnd(b, h, ns + 3, d).to(dtype)
+    hk, hv = quantize_rows(rnd(b, h, nh + 2, d) * 2, 2, d // groups), quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups)
+    rec_k, rec_v = rnd(b, h, nr + 1, d).to(dtype), rnd(b, h, nr + 1, d).to(dtype)
+    ext_k, ext_v = rnd(b, h, ne, d).to(dtype), rnd(b, h, ne, d).to(dtype)
+    n = ns + nh + nr + ne
+    key_mask = None
+    if mask:
+        key_mask = torch.ones(b, n, dtype=torch.bool)
+        key_mask[0, :7] = False  # left padding of row 0
+    args = (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, rec_k, rec_v, ext_k, ext_v, key_mask, ns, nh, nr, ne, t,
+            n - t, d ** -0.5)
+    keys = torch.cat([sink_k[:, :, :ns].float(), dequantize_rows(hk)[:, :, :nh], rec_k[:, :, :nr].float(), ext_k.float()], 2)
+    values = torch.cat([sink_v[:, :, :ns].float(), dequantize_rows(hv)[:, :, :nh], rec_v[:, :, :nr].float(), ext_v.float()], 2)
+    qpos = (n - t) + torch.arange(g * t) % t
+    visible = (torch.arange(n)[None, :] <= qpos[:, None])[None, None]
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :]
+    return args, _masked_attention(q, keys, values, d ** -0.5, visible)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(t=1, g=4), dict(ne=9, nr=6), dict(groups=2), dict(groups=4, mask=False), dict(nh=0)])
+def test_segment_attention_reference_matches_dense_attention(case):
+    args, (ref, ref_lse) = random_segments(**case)
+    out, lse = segment_attention_reference(*args)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+def test_key_padding_mask_from_4d_masks():
+    m = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(3)
+    m[1, :, :, :2] = False
+    assert key_padding_mask(m).tolist() == [[True] * 6, [False, False, True, True, True, True]]
+    additive = torch.zeros(2, 1, 3, 6).masked_fill(~m, torch.finfo(torch.float32).min)
+    assert torch.equal(key_padding_mask(additive), key_padding_mask(m))
+    assert key_padding_mask(None) is None
 
 
 def _chunks(model, ids, cache, sizes):
@@ -43,9 +87,9 @@ def _chunks(model, ids, cache, sizes):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_oscar_attention_and_plain_sdpa_give_the_same_logits(family):
-    """The fused path (segments + LSE merge) and the fallback (dequantize + un-rotate in update, then sdpa)."""
+    """The fused path (segments, LSE merge) and the fallback (dequantize + un-rotate in update, then sdpa)."""
     ids = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(1))
-    sizes = [40, 1, 1, 20, 1, 3, 4]  # prefill, decode steps, a long chunk (> DECODE_MAX_QUERIES), short chunks
+    sizes = [40, 1, 1, 20, 1, 3, 4]  # prefill, decode steps, a chunk longer than the window, short chunks
     results = {}
     for attn in ("oscar", "sdpa"):
         model = tiny_model(family, attn=attn)
@@ -55,16 +99,16 @@ def test_oscar_attention_and_plain_sdpa_give_the_same_logits(family):
     assert torch.allclose(results["oscar"], results["sdpa"], atol=2e-4, rtol=1e-4)
 
 
-def test_decode_path_and_prefill_path_agree(monkeypatch):
-    model = tiny_model("llama")
-    ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(2))
-    rot = OscarRotations.data_free(model, "hadamard")
+@pytest.mark.parametrize("bits", [2, 4, 16])
+def test_every_width_takes_the_same_path_as_the_fallback(bits):
+    ids = torch.randint(3, VOCAB, (1, 50), generator=torch.Generator().manual_seed(6))
     out = {}
-    for threshold in (0, 100):
-        monkeypatch.setattr(attention, "DECODE_MAX_QUERIES", threshold)
-        cache = OscarCache(model, rot, OscarConfig(key_clip="none", value_clip="none", **SMALL))
-        out[threshold] = _chunks(model, ids, cache, [30, 5, 1, 12, 12])
-    assert torch.allclose(out[0], out[100], atol=1e-4)
+    for attn in ("oscar", "sdpa"):
+        model = tiny_model("llama", attn=attn)
+        cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"),
+                           OscarConfig(bits=bits, key_clip="none", value_clip="none", **SMALL))
+        out[attn] = _chunks(model, ids, cache, [30, 1, 12, 7])
+    assert torch.allclose(out["oscar"], out["sdpa"], atol=2e-4, rtol=1e-4)
 
 
 def test_quantization_really_changes_the_logits():
@@ -73,7 +117,7 @@ def test_quantization_really_changes_the_logits():
     rot = OscarRotations.data_free(model, "identity")
     exact = _chunks(model, ids, DynamicCache(config=model.config), [40, 20])
     quant = _chunks(model, ids, OscarCache(model, rot, OscarConfig(key_clip="none", value_clip="none", **SMALL)), [40, 20])
-    assert torch.allclose(exact[:, :40], quant[:, :40], atol=1e-4)  # the prefill attends to itself exactly
+    assert torch.equal(exact[:, :40], quant[:, :40])  # a first prefill is exactly sdpa
     assert (exact[:, 40:] - quant[:, 40:]).abs().max() > 1e-2  # later chunks see the INT2 history
 
 
@@ -104,3 +148,19 @@ def test_left_padding_matches_the_unpadded_sequence():
     ref_step = model(input_ids=nxt[1:], past_key_values=alone).logits
     assert torch.allclose(out[1, 10:], ref[0], atol=1e-4)
     assert torch.allclose(step[1], ref_step[0], atol=1e-4)
+
+
+def test_long_chunks_in_query_blocks_match_one_block(monkeypatch):
+    import oscar_hf.attention as attention
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    out = {}
+    for block in (7, 4096):
+        monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+        cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(key_clip="none", value_clip="none", **SMALL))
+        out[block] = torch.cat([model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+                                for a, b in [(0, 20), (20, 50), (50, 60)]], 1)
+    assert torch.allclose(out[7], out[4096], atol=1e-5)

@@ -34,8 +34,7 @@ def _feed(layer, keys, values, sizes):
 
 
 def _past(layer):
-    view = layer._make_view(layer.get_seq_length(), None, None)
-    return layer.dequantized_past(view)
+    return layer.stored_states()
 
 
 def test_prefill_routes_tokens_to_sink_history_and_recent():
@@ -167,8 +166,9 @@ def test_fused_update_hands_the_layer_to_the_attention_by_identity():
     layer = _layer()
     k, v = _states(6)
     rk, rv = layer.update(k, v, fused=True)
+    assert rk is k and rv is v
     assert claim_layer(torch.zeros(1)) is None
     assert claim_layer(rk) is layer
     assert claim_layer(rk) is None  # consumed once
     view = layer.take_view()
-    assert view.past_length == 0 and view.chunk_keys is rk
+    assert view.past_length == 0 and view.original_keys is k

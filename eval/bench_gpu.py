@@ -1,0 +1,660 @@
+"""GPU benchmark and check of oscar-hf's kernels: one script that checks, tunes and times everything in one call.
+
+    python eval/bench_gpu.py --out DIR [--sections check,tune,micro,quant,memory,e2e,budget] [--quick]
+
+Sections (results go to DIR/bench_gpu.json after each section, a summary table is printed at the end):
+  check   kernels vs their torch twins at realistic shapes (head_dim 64/128, GQA 4/8, up to 128K tokens, batch 1-32),
+          fresh random inputs, outputs poisoned, tolerance scaled by the bf16 reference's own error
+  tune    a small sweep of the decode kernel's launch parameters; the best is used below
+  micro   decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128) at 4K-128K tokens,
+          batch 1/8/32: time, bytes it must read, achieved bandwidth vs the measured copy bandwidth, vs BF16 sdpa
+  quant   the demotion (8 tokens per layer, every 8 steps) and prefill quantization cost
+  memory  KV bytes really allocated (CUDA allocator) and bits per element at 32K and 128K
+  e2e     decode step of random-weight Qwen3-4B / Qwen3-8B: DynamicCache BF16 vs OscarCache vs transformers'
+          QuantizedCache (HQQ, 2 bits), interleaved step by step where they fit together; wall and GPU time
+  budget  the largest batch within a 40 GB KV budget at 32K and 100K, and its decode tokens/s, BF16 vs OSCAR
+Speed does not depend on weight or KV values, so models and caches are filled with random numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+QWEN3 = {  # published architecture configs (no hub needed)
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+SINK, WINDOW = 64, 256
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, rep_ms=200) -> float:
+    """Median time of fn() in microseconds (CUDA events via triton's do_bench; a host timer on the CPU)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return 1000 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    fn()
+    t = time.perf_counter()
+    n = 3
+    for _ in range(n):
+        fn()
+    return 1e6 * (time.perf_counter() - t) / n
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = (2 * GIB if device.type == "cuda" else 64 * 1024**2) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    us = bench(lambda: b.copy_(a))
+    del a, b
+    free()
+    return 2 * n * 2 / (us * 1e-6)
+
+
+def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", sink=SINK, window=WINDOW, meta_groups=1):
+    """Random rotated q and cache segments of a cache holding `length` tokens; returns the op's argument tuple."""
+    n_sink = min(sink, length)
+    n_recent = min(window + 4, max(length - n_sink, 0))
+    n_hist = max(length - n_sink - n_recent, 0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, kv_heads, groups_q * t, d, **bf)
+    sink_k, sink_v = torch.randn(batch, kv_heads, sink, d, **bf), torch.randn(batch, kv_heads, sink, d, **bf)
+    rec_k, rec_v = torch.randn(batch, kv_heads, window + 8, d, **bf), torch.randn(batch, kv_heads, window + 8, d, **bf)
+    codes_k = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
+    codes_v = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
+
+    def meta():
+        m = torch.empty(batch, kv_heads, n_hist, meta_groups, 2, device=device, dtype=torch.float16)
+        m[..., 0].uniform_(0.05, 1.0)
+        m[..., 1].normal_(0, 1)
+        return m
+
+    empty = q.new_empty(batch, kv_heads, 0, d)
+    return (q, sink_k, sink_v, codes_k, meta(), codes_v, meta(), rec_k, rec_v, empty, empty, None,
+            n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5)
+
+
+def bytes_read(args) -> int:
+    """Bytes the decode attention must read: packed history + its metadata + the BF16 windows + q."""
+    q, sk, sv, ck, mk, cv, mv, rk, rv, ek, ev, mask, ns, nh, nr, ne = args[:16]
+    b, h, _, d = q.shape
+    hist = nh * (ck.shape[-1] + mk.shape[-2] * 2 * mk.element_size()) * 2
+    windows = (ns + nr + ne) * d * 2 * 2
+    return b * h * (hist + windows) + q.numel() * 2
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def section_check(device, quick):
+    from oscar_hf.kernels.attention import segment_attention_triton
+    from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
+
+    shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, meta groups)
+        (1, 8, 4, 131072, 128, 1, 1), (8, 8, 4, 32768, 128, 1, 1), (32, 8, 8, 4096, 64, 1, 1),
+        (4, 2, 7, 16384, 64, 1, 1), (2, 1, 4, 8192, 256, 1, 1), (1, 8, 4, 32768, 128, 16, 2),
+        (2, 8, 4, 8192, 128, 1, 4),
+    ]
+    if quick:
+        shapes = [(1, 2, 4, 1500, 64, 1, 1), (2, 2, 2, 700, 128, 3, 2)]
+    rows = []
+    for (b, h, g, length, d, t, mg) in shapes:
+        torch.manual_seed(length + b)
+        args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg)
+        ref, ref_lse = segment_attention_reference(*args)
+        lowp, _ = segment_attention_reference(*args, emulate_bf16=True)
+        poison = torch.full((256 * 1024**2,), float("nan"), device=device)  # reused memory comes back as NaN
+        del poison
+        out, lse = segment_attention_triton(*args)
+        sync()
+        ok = torch.isfinite(ref_lse)
+        err = (out.float() - ref.float())[ok].abs().max().item()
+        lowp_err = (lowp.float() - ref.float())[ok].abs().max().item()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        passed = bool(torch.isfinite(out).all()) and err <= 3 * lowp_err + 1e-2
+        rows.append(dict(kind="segment_attention", batch=b, kv_heads=h, gqa=g, length=length, head_dim=d, queries=t,
+                         meta_groups=mg, max_err=err, bf16_ref_err=lowp_err, rel_err=rel, passed=passed))
+        log(f"check attention B={b} H={h} g={g} L={length} d={d} T={t} G={mg}: err {err:.2e} (bf16 ref {lowp_err:.2e}) "
+            f"rel {rel:.1e} {'ok' if passed else 'FAIL'}")
+        del args, ref, lowp, out
+        free()
+    for (b, h, n, d, rotate) in ([(4, 8, 16384, 128, True), (32, 8, 8, 128, False), (2, 2, 4096, 64, True)]
+                                 if not quick else [(2, 2, 300, 64, True)]):
+        x = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) * 3
+        rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
+        outs = []
+        for fn in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
+            codes = torch.full((b, h, n + 3, d // 4), 0xAA, device=device, dtype=torch.uint8)
+            meta = torch.full((b, h, n + 3, 1, 2), float("nan"), device=device, dtype=torch.float16)
+            fn(x, rot, 0.96, codes, meta, 3)
+            outs.append((codes, meta))
+        from oscar_hf.quant import unpack_2bit_u8
+
+        a, r = (unpack_2bit_u8(o[0][:, :, 3:]).int() for o in outs)
+        differ = (a != r).float().mean().item()
+        written = bool((outs[1][0][:, :, :3] == 0xAA).all()) and not bool(torch.isnan(outs[1][1][:, :, 3:]).any())
+        passed = written and differ < 0.01 and (a - r).abs().max().item() <= 1
+        rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate,
+                         codes_differing=differ, passed=passed))
+        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate}: {differ:.2e} of codes differ {'ok' if passed else 'FAIL'}")
+        free()
+    return rows
+
+
+def section_model_check(device, quick):
+    """A random Qwen3-shaped model (head_dim 128) through OscarCache with the kernels vs the torch twins: prefill,
+    decode steps, a chunk longer than the window onto the filled cache, a left-padded batch."""
+    from oscar_hf import OscarCache, OscarConfig, OscarRotations
+    from oscar_hf.metrics import cache_kwarg
+
+    model = tiny_qwen3(device)
+    kw = cache_kwarg(model)
+    n = 3000 if not quick else 700
+    ids = torch.randint(0, 1000, (2, n + 330), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :100] = 0
+    rot = OscarRotations.data_free(model, "hadamard")
+    logits = {}
+    for mode in ("0", "1"):
+        os.environ["OSCAR_HF_KERNELS"] = mode
+        cache = OscarCache(model, rot, OscarConfig(key_clip=0.96, value_clip=0.92))
+        out = []
+        with torch.no_grad():
+            for a, b in [(0, n), (n, n + 1), (n + 1, n + 2), (n + 2, n + 302), (n + 302, n + 303), (n + 303, n + 330)]:
+                out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], use_cache=True, **{kw: cache}).logits.float())
+        logits[mode] = torch.cat(out[1:], 1)  # the first prefill is sdpa in both modes
+    os.environ.pop("OSCAR_HF_KERNELS")
+    ref = logits["0"]
+    rel = ((logits["1"] - ref).norm() / ref.norm()).item()
+    top1 = (logits["1"].argmax(-1) == ref.argmax(-1)).float().mean().item()
+    passed = rel < 0.02 and top1 > 0.97
+    log(f"check model: kernels vs torch twins, relative logit error {rel:.2e}, top-1 agreement {top1:.4f} {'ok' if passed else 'FAIL'}")
+    return dict(kind="model", tokens=n + 330, rel_logit_err=rel, top1_agreement=top1, passed=passed)
+
+
+def section_devmap(device, quick, tmp):
+    """Calibration of a model whose layers sit on different devices (accelerate device_map: GPU and CPU)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from oscar_hf import OscarConfig
+    from oscar_hf.calibrate import calibrate
+
+    import string
+    vocab = {"<unk>": 0, "</s>": 1}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    model = tiny_qwen3("cpu")
+    model.save_pretrained(tmp / "tiny")
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(tmp / "tiny", device_map=device_map, dtype=torch.bfloat16)
+    text = tmp / "calib.txt"
+    text.write_text(("The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 200))
+    rot = calibrate(model, tokenizer, data=str(text), progress=False,
+                    config=OscarConfig(calibration_tokens=1024, calibration_sequence_length=512, heldout_tokens=512))
+    devices = {layer: str(s.sums["query"].device) for layer, s in rot.statistics.items()}
+    passed = devices == {0: "cuda:0", 1: "cpu"}
+    log(f"check device_map calibration: statistics on {devices} {'ok' if passed else 'FAIL'}")
+    return dict(kind="device_map_calibration", statistics_devices=devices, passed=passed)
+
+
+def decode_args(b, length, device, g=4, h=8, d=128):
+    torch.manual_seed(b * 7 + length)
+    return random_segments(b, h, g, length, d, device=device)
+
+
+def section_tune(device, quick):
+    from oscar_hf.kernels.attention import segment_attention_triton
+
+    points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
+    grid = [(bn, nw, ns, tp) for bn in (32, 64, 128) for nw in (2, 4, 8) for ns in (1, 2, 3) for tp in (2, 4, 8)]
+    if quick:
+        grid = grid[:3]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    results = []
+    for (b, length) in points:
+        args = decode_args(b, length, device)
+        for (bn, nw, ns, tp) in grid:
+            try:
+                us = bench(lambda: segment_attention_triton(*args, block_n=bn, num_warps=nw, num_stages=ns,
+                                                            target_programs=tp * sms), rep_ms=50)
+            except Exception as e:  # a configuration the compiler rejects
+                us = float("inf")
+                log(f"tune {bn}/{nw}/{ns}/{tp}: {type(e).__name__}")
+            results.append(dict(batch=b, length=length, block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=tp, us=us))
+        del args
+        free()
+    # the configuration with the best geometric-mean time over the points
+    def score(cfg):
+        ts = [r["us"] for r in results if (r["block_n"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) == cfg]
+        return math.exp(sum(math.log(t) for t in ts) / len(ts))
+
+    best = min(grid, key=score)
+    log(f"tune: best block_n={best[0]} num_warps={best[1]} num_stages={best[2]} programs/SM={best[3]}")
+    return {"sweep": results, "best": dict(block_n=best[0], num_warps=best[1], num_stages=best[2], programs_per_sm=best[3])}
+
+
+def _kernel_kwargs(tuned, device):
+    if not tuned:
+        return {}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return dict(block_n=tuned["block_n"], num_warps=tuned["num_warps"], num_stages=tuned["num_stages"],
+                target_programs=tuned["programs_per_sm"] * sms)
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def section_micro(device, quick, tuned, copy_bw):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from oscar_hf.kernels.attention import segment_attention_triton
+
+    lengths = [4096, 32768, 65536, 100_000, 131072] if not quick else [2048]
+    batches = [1, 8, 32] if not quick else [1, 2]
+    kw = _kernel_kwargs(tuned, device)
+    h, g, d = 8, 4, 128
+    rk = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
+    rows = []
+    for b in batches:
+        for length in lengths:
+            row = dict(batch=b, length=length)
+            args = decode_args(b, length, device)
+            q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
+
+            def kernel_only():
+                return segment_attention_triton(*args, **kw)
+
+            def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
+                q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
+                out, _ = segment_attention_triton(*((q,) + args[1:]), **kw)
+                return torch.matmul(out.view(b, h, g, 1, d), rk.transpose(-1, -2).unsqueeze(1))
+
+            nbytes = bytes_read(args)
+            row["oscar_kernel_us"] = bench(kernel_only)
+            row["oscar_layer_us"] = bench(full_layer)
+            row["oscar_bytes"] = nbytes
+            row["oscar_gbps"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / 1e9
+            row["oscar_fraction_of_copy_bw"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / copy_bw
+            del args
+            free()
+            bf16_bytes = 2 * b * h * length * d * 2
+            if bf16_bytes < 60 * GIB or device.type != "cuda":
+                k = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
+                v = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
+                mod = _Module(g)
+                row["bf16_sdpa_us"] = bench(lambda: sdpa_attention_forward(mod, q_plain, k, v, None, scaling=d ** -0.5))
+                row["bf16_bytes"] = bf16_bytes
+                row["bf16_gbps"] = bf16_bytes / (row["bf16_sdpa_us"] * 1e-6) / 1e9
+                row["speedup_vs_bf16"] = row["bf16_sdpa_us"] / row["oscar_layer_us"]
+                del k, v
+                free()
+            log(f"micro B={b:2d} L={length:6d}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
+                f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
+                f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
+                f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")
+            rows.append(row)
+    return rows
+
+
+def section_quant(device, quick):
+    rows = []
+    for b in ([1, 8, 32] if not quick else [1]):
+        h, d = 8, 128
+        rows_rot = torch.randn(b, h, 8, d, device=device, dtype=torch.bfloat16)
+        codes = torch.empty(b, h, 64, d // 4, device=device, dtype=torch.uint8)
+        meta = torch.empty(b, h, 64, 1, 2, device=device, dtype=torch.float16)
+        us = bench(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 0.96, codes, meta, 8),
+                            torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta, 8)))
+        rows.append(dict(kind="demotion", batch=b, tokens=8, us_per_layer_per_demotion=us, us_per_layer_per_step=us / 8))
+        log(f"quant demotion B={b}: {us:.1f} us per layer per demotion ({us / 8:.2f} us per layer per decode step)")
+    n = 100_000 if not quick else 2000
+    x = torch.randn(1, 8, n, 128, device=device, dtype=torch.bfloat16)
+    rot = torch.linalg.qr(torch.randn(8, 128, 128, device=device))[0].to(torch.bfloat16)
+    codes = torch.empty(1, 8, n, 32, device=device, dtype=torch.uint8)
+    meta = torch.empty(1, 8, n, 1, 2, device=device, dtype=torch.float16)
+    us = bench(lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0))
+    moved = x.numel() * 2 + codes.numel() + meta.numel() * 2
+    rows.append(dict(kind="prefill", tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9))
+    log(f"quant prefill {n} tokens x 8 heads (rotate+clip+quantize+pack): {us:.1f} us ({moved / (us * 1e-6) / 1e9:.0f} GB/s)")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ model level
+def build_model(arch, device):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import oscar_hf  # noqa: F401
+
+    if arch in _MODELS:
+        return _MODELS[arch]
+    cfg = Qwen3Config(**QWEN3[arch], max_position_embeddings=262144, rope_theta=1e6)
+    cfg._attn_implementation = "oscar"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.set_attn_implementation("oscar")
+    _MODELS.clear()  # keep one model resident at a time
+    free()
+    _MODELS[arch] = model
+    return model
+
+
+_MODELS: dict = {}
+
+
+def kv_bytes_bf16(cfg, batch, length):
+    return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * cfg.head_dim * 2
+
+
+def fill_cache(model, cache, batch, length, device, chunk=16384):
+    """Writes `length` random tokens into every layer of `cache` through its own `update` (what a prefill does)."""
+    cfg = model.config
+    for layer in range(cfg.num_hidden_layers):
+        done = 0
+        while done < length:
+            n = min(chunk, length - done)
+            k = torch.randn(batch, cfg.num_key_value_heads, n, cfg.head_dim, device=device, dtype=torch.bfloat16)
+            cache.update(k, torch.randn_like(k), layer)
+            done += n
+        if hasattr(cache.layers[layer], "_view"):
+            cache.layers[layer]._view = None
+    sync()
+
+
+def make_cache(kind, model, batch, length, device):
+    from transformers import DynamicCache, QuantizedCache
+
+    from oscar_hf import OscarCache, OscarConfig, OscarRotations
+
+    if kind == "bf16":
+        cache = DynamicCache(config=model.config)
+        cfg = model.config
+        for layer in range(cfg.num_hidden_layers):  # one allocation per layer, like a prefill leaves it
+            k = torch.randn(batch, cfg.num_key_value_heads, length, cfg.head_dim, device=device, dtype=torch.bfloat16)
+            cache.update(k, torch.randn_like(k), layer)
+        return cache
+    if kind == "oscar":
+        rot = OscarRotations.data_free(model, "hadamard")
+        cache = OscarCache(model, rot, OscarConfig(key_clip=0.96, value_clip=0.92))
+    elif kind == "hf_quantized":
+        cache = QuantizedCache(backend="hqq", config=model.config, nbits=2, axis_key=1, axis_value=1,
+                               q_group_size=64, residual_length=128)
+    else:
+        raise ValueError(kind)
+    # transformers' QuantizedCache re-quantizes its whole history whenever its residual fills: fill it in one chunk
+    fill_cache(model, cache, batch, length, device, chunk=length if kind == "hf_quantized" else 16384)
+    return cache
+
+
+def decode_step(model, cache, batch, device):
+    from oscar_hf.metrics import cache_kwarg
+
+    ids = torch.randint(0, 1000, (batch, 1), device=device)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+
+
+def gpu_time_per_step(model, cache, batch, device, steps=3) -> float:
+    """Sum of CUDA kernel times per decode step (profiler), in microseconds: the step without Python/launch gaps."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decode_step(model, cache, batch, device)
+        sync()
+    # GPU-side events only (kernels, memcpy, memset): their summed durations, without launch gaps
+    total = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return total / steps
+
+
+def time_methods(model, caches: dict, batch, device, steps):
+    """Interleaves decode steps of the given caches; returns per-method median wall time (ms) and GPU time (us)."""
+    walls = {k: [] for k in caches}
+    for k in caches:  # warm-up (compilation, allocator)
+        decode_step(model, caches[k], batch, device)
+    sync()
+    for _ in range(steps):
+        for k, cache in caches.items():
+            sync()
+            t = time.perf_counter()
+            decode_step(model, cache, batch, device)
+            sync()
+            walls[k].append(1000 * (time.perf_counter() - t))
+    out = {}
+    for k, cache in caches.items():
+        w = sorted(walls[k])
+        out[k] = dict(wall_ms=w[len(w) // 2], gpu_us=gpu_time_per_step(model, cache, batch, device))
+    return out
+
+
+def section_e2e(device, quick, methods=("bf16", "oscar", "hf_quantized")):
+    archs = ["qwen3-4b", "qwen3-8b"] if not quick else ["tiny"]
+    points = [(4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32), (100_000, 1), (100_000, 8), (100_000, 32)]
+    if quick:
+        points = [(600, 1), (600, 2)]
+    rows = []
+    for arch in archs:
+        model = build_model(arch, device) if arch != "tiny" else tiny_qwen3(device)
+        cfg = model.config
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        for length, batch in points:
+            budget = (torch.cuda.get_device_properties(device).total_memory - weights - 12 * GIB) if device.type == "cuda" else 8 * GIB
+            need = {"bf16": kv_bytes_bf16(cfg, batch, length), "oscar": kv_bytes_bf16(cfg, batch, length) * 2.6 / 16,
+                    "hf_quantized": kv_bytes_bf16(cfg, batch, length) * 5 / 16}
+            runnable = [m for m in methods if need[m] < budget]
+            skipped = {m: f"needs {need[m] / GIB:.0f} GiB of KV, more than the {budget / GIB:.0f} GiB free" for m in methods
+                       if m not in runnable}
+            together = sum(need[m] for m in runnable) < budget
+            steps = 8 if length < 50_000 else 5
+            result = {}
+            try:
+                if together:
+                    caches = {m: make_cache(m, model, batch, length, device) for m in runnable}
+                    result = time_methods(model, caches, batch, device, steps)
+                    del caches
+                else:
+                    for m in runnable:
+                        caches = {m: make_cache(m, model, batch, length, device)}
+                        result.update(time_methods(model, caches, batch, device, steps))
+                        del caches
+                        free()
+            except torch.OutOfMemoryError as e:
+                skipped["error"] = f"OOM: {str(e)[:200]}"
+            except Exception as e:  # e.g. a baseline backend missing on this machine
+                skipped["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(traceback.format_exc()[-1500:])
+            free()
+            row = dict(arch=arch, length=length, batch=batch, interleaved=together, skipped=skipped, **{
+                f"{m}_{k}": v for m, r in result.items() for k, v in r.items()})
+            for m in result:
+                row[f"{m}_tokens_per_s"] = batch / (result[m]["wall_ms"] / 1000)
+            if "oscar" in result:
+                for m in ("bf16", "hf_quantized"):
+                    if m in result:
+                        row[f"oscar_speedup_vs_{m}_wall"] = result[m]["wall_ms"] / result["oscar"]["wall_ms"]
+                        row[f"oscar_speedup_vs_{m}_gpu"] = result[m]["gpu_us"] / result["oscar"]["gpu_us"]
+            log(f"e2e {arch} L={length} B={batch}: " + ", ".join(
+                f"{m} {r['wall_ms']:.1f} ms wall / {r['gpu_us'] / 1000:.1f} ms GPU" for m, r in result.items())
+                + (f"  skipped {skipped}" if skipped else ""))
+            rows.append(row)
+    return rows
+
+
+def tiny_qwen3(device):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=128, vocab_size=1000)
+    cfg._attn_implementation = "oscar"
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.set_attn_implementation("oscar")
+    return model
+
+
+def section_memory(device, quick):
+    model = build_model("qwen3-8b", device) if not quick else tiny_qwen3(device)
+    cfg = model.config
+    rows = []
+    for length in ([32768, 131072] if not quick else [1000]):
+        for kind in ("bf16", "oscar"):
+            free()
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            cache = make_cache(kind, model, 1, length, device)
+            free()
+            after = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            elements = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * length
+            row = dict(kind=kind, length=length, allocated_bytes=after - before, bits_per_element=8 * (after - before) / elements)
+            if kind == "oscar":
+                row["memory_report"] = cache.memory_report()
+            rows.append(row)
+            log(f"memory L={length} {kind}: {(after - before) / GIB:.3f} GiB allocated, "
+                f"{row['bits_per_element']:.3f} bits/element")
+            del cache
+    return rows
+
+
+def section_budget(device, quick, memory_rows, budget_gib=40):
+    """Max batch within `budget_gib` of KV at 32K and 100K, from the measured bytes per token, and its tokens/s."""
+    per_token = {}
+    for r in memory_rows:
+        per_token.setdefault(r["kind"], []).append(r["allocated_bytes"] / r["length"])
+    per_token = {k: max(v) for k, v in per_token.items()}  # the longer context has the lower window overhead; be safe
+    model = build_model("qwen3-8b", device) if not quick else tiny_qwen3(device)
+    rows = []
+    for length in ([32768, 100_000] if not quick else [800]):
+        row = dict(length=length, budget_gib=budget_gib)
+        for kind in ("bf16", "oscar"):
+            batch = int(budget_gib * GIB // (per_token[kind] * length)) if not quick else 2
+            row[f"{kind}_batch"] = batch
+            if batch == 0:
+                continue
+            try:
+                cache = make_cache(kind, model, batch, length, device)
+                res = time_methods(model, {kind: cache}, batch, device, steps=5)[kind]
+                row[f"{kind}_wall_ms"] = res["wall_ms"]
+                row[f"{kind}_gpu_us"] = res["gpu_us"]
+                row[f"{kind}_tokens_per_s"] = batch / (res["wall_ms"] / 1000)
+                row[f"{kind}_tokens_per_s_gpu"] = batch / (res["gpu_us"] / 1e6) if res["gpu_us"] == res["gpu_us"] else None
+                del cache
+            except torch.OutOfMemoryError as e:
+                row[f"{kind}_error"] = f"OOM: {str(e)[:200]}"
+            free()
+        if row.get("bf16_tokens_per_s") and row.get("oscar_tokens_per_s"):
+            row["batch_ratio"] = row["oscar_batch"] / row["bf16_batch"]
+            row["tokens_per_s_ratio"] = row["oscar_tokens_per_s"] / row["bf16_tokens_per_s"]
+            if row.get("bf16_tokens_per_s_gpu") and row.get("oscar_tokens_per_s_gpu"):
+                row["tokens_per_s_ratio_gpu"] = row["oscar_tokens_per_s_gpu"] / row["bf16_tokens_per_s_gpu"]
+        log(f"budget {budget_gib} GiB L={length}: " + json.dumps({k: v for k, v in row.items() if "ratio" in k or "batch" in k}))
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ main
+def environment(device):
+    import transformers
+    import triton
+
+    info = dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, command=" ".join(sys.argv))
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / GIB, 1),
+                    cuda=torch.version.cuda)
+    return info
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--sections", default="check,tune,micro,quant,memory,e2e,budget")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, also on the CPU)")
+    parser.add_argument("--tuned", default=None, help="JSON of kernel launch parameters to use instead of tuning")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "bench_gpu.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["environment"] = environment(device)
+    import oscar_hf.kernels  # noqa: F401
+
+    if "copy_bandwidth" not in results:
+        results["copy_bandwidth"] = copy_bandwidth(device)
+        log(f"copy bandwidth {results['copy_bandwidth'] / 1e9:.0f} GB/s (read + write)")
+    tuned = json.loads(args.tuned) if args.tuned else results.get("tune", {}).get("best")
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            if name == "check":
+                results["check"] = section_check(device, args.quick)
+                results["check"].append(section_model_check(device, args.quick))
+                if device.type == "cuda":
+                    results["check"].append(section_devmap(device, args.quick, out_dir))
+            elif name == "tune":
+                results["tune"] = section_tune(device, args.quick)
+                tuned = results["tune"]["best"]
+            elif name == "micro":
+                results["micro"] = section_micro(device, args.quick, tuned, results["copy_bandwidth"])
+            elif name == "quant":
+                results["quant"] = section_quant(device, args.quick)
+            elif name == "memory":
+                results["memory"] = section_memory(device, args.quick)
+            elif name == "e2e":
+                results["e2e"] = section_e2e(device, args.quick)
+            elif name == "budget":
+                results["budget"] = section_budget(device, args.quick, results["memory"])
+            else:
+                raise ValueError(f"unknown section {name!r}")
+        except Exception:
+            results.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            log(f"section {name} FAILED:\n{traceback.format_exc()[-3000:]}")
+        results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(results, indent=1, default=str))
+        log(f"-- section {name} done in {results['seconds'][name]} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

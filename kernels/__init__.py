@@ -1,0 +1,11 @@
+"""Triton kernels of oscar-hf, installed as `oscar_hf.kernels` (see `custom_ops.py` for the ops they provide).
+
+The top-level import name `kernels` belongs to Hugging Face's `kernels` package, which transformers probes (and, in
+some versions, imports) at start-up. When this folder is reachable under that name — Python started from the
+repository root, e.g. `python -m ...` — it must stay inert, so everything happens only under `oscar_hf.kernels`.
+"""
+
+if __name__ == "oscar_hf.kernels":
+    from .custom_ops import quantize_pack, segment_attention  # noqa: F401  (registers torch.ops.oscar.*)
+
+    __all__ = ["quantize_pack", "segment_attention"]

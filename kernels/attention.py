@@ -1,0 +1,339 @@
+"""Split-K attention over OSCAR's segments, reading packed INT2 directly (Triton).
+
+Stage 1 (`_segment_attention_kernel`), grid (batch·KV head, query-row tiles, splits): each program attends the query
+rows of one KV head (its GQA group's query heads stacked, rows r = g·T + t) to one contiguous range of one segment —
+the BF16 sink, a slice of the INT2 history, the BF16 recent window, or an extra BF16 segment (the current chunk of a
+long prefill onto a filled cache) — with an online softmax, and writes its partial output and log-sum-exp.
+The INT2 history is never dequantized into memory: a key row is k = c·s + m (codes c ∈ {0..3}, per-token scale s
+and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
+Σ_j p_j v_j = Σ_j (p_j s_j) c_j + Σ_j p_j m_j.
+Stage 2 (`_merge_kernel`) merges the splits by log-sum-exp (FlashInfer's merge_state), exactly.
+
+Masking: key positions are [sink | history | recent | extra] = [0, n_sink, n_sink+n_hist, ...]; query row r sits at
+position q_start + (r mod T) and sees keys at positions <= its own (causal), where `key_mask[b, pos]` is True.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # The Triton interpreter (CPU tests) mishandles 16-bit dot operands: give it float32.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3):
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i, acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+
+
+@triton.jit
+def _bf16_range(
+    q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+    k_ptr, v_ptr, s_b, s_h, s_t, s_d, b, h, lo, hi, pos_offset,
+    mask_ptr, smask_b, smask_n, scale,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
+):
+    QD: tl.constexpr = D // 4
+    dq = tl.arange(0, QD)
+    base_k = k_ptr + b * s_b + h * s_h
+    base_v = v_ptr + b * s_b + h * s_h
+    for start in range(lo, hi, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        ok = idx < hi
+        rows = idx[:, None] * s_t
+        k0 = tl.load(base_k + rows + (dq[None, :] + 0 * QD) * s_d, mask=ok[:, None], other=0.0)
+        k1 = tl.load(base_k + rows + (dq[None, :] + 1 * QD) * s_d, mask=ok[:, None], other=0.0)
+        k2 = tl.load(base_k + rows + (dq[None, :] + 2 * QD) * s_d, mask=ok[:, None], other=0.0)
+        k3 = tl.load(base_k + rows + (dq[None, :] + 3 * QD) * s_d, mask=ok[:, None], other=0.0)
+        s = (_dot(q0, tl.trans(k0), UPCAST) + _dot(q1, tl.trans(k1), UPCAST)
+             + _dot(q2, tl.trans(k2), UPCAST) + _dot(q3, tl.trans(k3), UPCAST))
+        kpos = pos_offset + idx
+        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if HAS_MASK:
+            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
+            valid = valid & (km != 0)[None, :]
+        p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
+        pv = p.to(k0.dtype)
+        v0 = tl.load(base_v + rows + (dq[None, :] + 0 * QD) * s_d, mask=ok[:, None], other=0.0)
+        v1 = tl.load(base_v + rows + (dq[None, :] + 1 * QD) * s_d, mask=ok[:, None], other=0.0)
+        v2 = tl.load(base_v + rows + (dq[None, :] + 2 * QD) * s_d, mask=ok[:, None], other=0.0)
+        v3 = tl.load(base_v + rows + (dq[None, :] + 3 * QD) * s_d, mask=ok[:, None], other=0.0)
+        acc0 += _dot(pv, v0, UPCAST)
+        acc1 += _dot(pv, v1, UPCAST)
+        acc2 += _dot(pv, v2, UPCAST)
+        acc3 += _dot(pv, v3, UPCAST)
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _plane(codes, p: tl.constexpr, dtype: tl.constexpr):
+    # codes of quarter plane p as small exact numbers (via float32: the interpreter mis-converts int -> bf16)
+    return ((codes >> (2 * p)) & 3).to(tl.float32).to(dtype)
+
+
+@triton.jit
+def _int2_range(
+    q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+    ck_ptr, cv_ptr, sc_b, sc_h, sc_t, sc_d,
+    mk_ptr, mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
+    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale,
+    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
+):
+    QD: tl.constexpr = D // 4
+    dq = tl.arange(0, QD)
+    base_ck = ck_ptr + b * sc_b + h * sc_h
+    base_cv = cv_ptr + b * sc_b + h * sc_h
+    base_mk = mk_ptr + b * sm_b + h * sm_h
+    base_mv = mv_ptr + b * sm_b + h * sm_h
+    # quarter plane p lies in group p * GROUPS // 4 (GROUPS in {1, 2, 4})
+    G1: tl.constexpr = 1 * GROUPS // 4
+    G2: tl.constexpr = 2 * GROUPS // 4
+    G3: tl.constexpr = 3 * GROUPS // 4
+    for start in range(lo, hi, BLOCK_N):
+        idx = start + tl.arange(0, BLOCK_N)
+        ok = idx < hi
+        ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+        mrow = base_mk + idx * sm_t
+        ks0 = tl.load(mrow, mask=ok, other=0.0).to(tl.float32)
+        km0 = tl.load(mrow + sm_2, mask=ok, other=0.0).to(tl.float32)
+        s = _dot(q0, tl.trans(_plane(ck, 0, q0.dtype)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
+        if GROUPS == 1:
+            s += (_dot(q1, tl.trans(_plane(ck, 1, q0.dtype)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2, q0.dtype)), UPCAST)
+                  + _dot(q3, tl.trans(_plane(ck, 3, q0.dtype)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
+        else:
+            ks1 = tl.load(mrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            km1 = tl.load(mrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            ks2 = tl.load(mrow + G2 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            km2 = tl.load(mrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            ks3 = tl.load(mrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            km3 = tl.load(mrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            s += _dot(q1, tl.trans(_plane(ck, 1, q0.dtype)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
+            s += _dot(q2, tl.trans(_plane(ck, 2, q0.dtype)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
+            s += _dot(q3, tl.trans(_plane(ck, 3, q0.dtype)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
+        kpos = pos_offset + idx
+        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if HAS_MASK:
+            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
+            valid = valid & (km != 0)[None, :]
+        p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
+        cv = tl.load(base_cv + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+        vrow = base_mv + idx * sm_t
+        vs0 = tl.load(vrow, mask=ok, other=0.0).to(tl.float32)
+        vm0 = tl.load(vrow + sm_2, mask=ok, other=0.0).to(tl.float32)
+        if GROUPS == 1:
+            ps = (p * vs0[None, :]).to(q0.dtype)
+            bias = tl.sum(p * vm0[None, :], axis=1)[:, None]
+            acc0 += _dot(ps, _plane(cv, 0, q0.dtype), UPCAST) + bias
+            acc1 += _dot(ps, _plane(cv, 1, q0.dtype), UPCAST) + bias
+            acc2 += _dot(ps, _plane(cv, 2, q0.dtype), UPCAST) + bias
+            acc3 += _dot(ps, _plane(cv, 3, q0.dtype), UPCAST) + bias
+        else:
+            vs1 = tl.load(vrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            vm1 = tl.load(vrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            vs2 = tl.load(vrow + G2 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            vm2 = tl.load(vrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            vs3 = tl.load(vrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
+            vm3 = tl.load(vrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            acc0 += _dot((p * vs0[None, :]).to(q0.dtype), _plane(cv, 0, q0.dtype), UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
+            acc1 += _dot((p * vs1[None, :]).to(q0.dtype), _plane(cv, 1, q0.dtype), UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None]
+            acc2 += _dot((p * vs2[None, :]).to(q0.dtype), _plane(cv, 2, q0.dtype), UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None]
+            acc3 += _dot((p * vs3[None, :]).to(q0.dtype), _plane(cv, 3, q0.dtype), UPCAST) + tl.sum(p * vm3[None, :], axis=1)[:, None]
+    return m_i, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _segment_attention_kernel(
+    q_ptr, sq_b, sq_h, sq_m, sq_d,
+    o_ptr, so_b, so_h, so_m, so_s, so_d,
+    lse_ptr, sl_b, sl_h, sl_m, sl_s,
+    sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
+    codes_k, codes_v, sc_b, sc_h, sc_t, sc_d,
+    meta_k, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
+    rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
+    ext_k, ext_v, se_b, se_h, se_t, se_d,
+    mask_ptr, smask_b, smask_n,
+    heads, M, T, q_start,
+    n_sink, n_hist, n_recent, n_extra,
+    hist_splits, hist_chunk, extra_chunk,
+    scale,
+    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    QD: tl.constexpr = D // 4
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    qpos = q_start + rows % T
+    max_qpos = q_start + tl.max(tl.where(row_ok, rows % T, 0), axis=0)
+    dq = tl.arange(0, QD)
+    q_base = q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_m
+    q0 = tl.load(q_base + (dq[None, :] + 0 * QD) * sq_d, mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(q_base + (dq[None, :] + 1 * QD) * sq_d, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(q_base + (dq[None, :] + 2 * QD) * sq_d, mask=row_ok[:, None], other=0.0)
+    q3 = tl.load(q_base + (dq[None, :] + 3 * QD) * sq_d, mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, QD), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, QD), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, QD), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, QD), tl.float32)
+
+    recent_split = 1 + hist_splits
+    if split == 0:
+        hi = tl.minimum(n_sink, max_qpos + 1)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+            q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+            sink_k, sink_v, ss_b, ss_h, ss_t, ss_d, b, h, 0, hi, 0,
+            mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
+    elif split < recent_split:
+        lo = (split - 1) * hist_chunk
+        hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
+        qs0 = tl.sum(q0.to(tl.float32), axis=1)
+        qs1 = tl.sum(q1.to(tl.float32), axis=1)
+        qs2 = tl.sum(q2.to(tl.float32), axis=1)
+        qs3 = tl.sum(q3.to(tl.float32), axis=1)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
+            q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+            codes_k, codes_v, sc_b, sc_h, sc_t, sc_d, meta_k, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
+            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, scale, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST)
+    elif split == recent_split:
+        offset = n_sink + n_hist
+        hi = tl.minimum(n_recent, max_qpos + 1 - offset)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+            q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+            rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, 0, hi, offset,
+            mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
+    else:
+        offset = n_sink + n_hist + n_recent
+        lo = (split - recent_split - 1) * extra_chunk
+        hi = tl.minimum(tl.minimum(lo + extra_chunk, n_extra), max_qpos + 1 - offset)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+            q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+            ext_k, ext_v, se_b, se_h, se_t, se_d, b, h, lo, hi, offset,
+            mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
+
+    inv_l = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)
+    o_base = o_ptr + b * so_b + h * so_h + rows[:, None] * so_m + split * so_s
+    tl.store(o_base + (dq[None, :] + 0 * QD) * so_d, acc0 * inv_l[:, None], mask=row_ok[:, None])
+    tl.store(o_base + (dq[None, :] + 1 * QD) * so_d, acc1 * inv_l[:, None], mask=row_ok[:, None])
+    tl.store(o_base + (dq[None, :] + 2 * QD) * so_d, acc2 * inv_l[:, None], mask=row_ok[:, None])
+    tl.store(o_base + (dq[None, :] + 3 * QD) * so_d, acc3 * inv_l[:, None], mask=row_ok[:, None])
+    # log-sum-exp in natural-log units (scores were scaled by log2(e) for exp2)
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.maximum(l_i, 1e-30))) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + b * sl_b + h * sl_h + rows * sl_m + split * sl_s, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr, so_r, so_s, so_d, lse_ptr, sl_r, sl_s, out_ptr, sout_r, sout_d, lse_out_ptr,
+    n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    r = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + r * sl_r + s * sl_s, mask=s < n_splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(lse - top)
+    total = tl.sum(w, axis=0)
+    o = tl.load(o_ptr + r * so_r + s[:, None] * so_s + d[None, :] * so_d, mask=(s < n_splits)[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + r * sout_r + d * sout_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_out_ptr + r, tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf")))
+
+
+# ------------------------------------------------------------------------------------------------- launcher
+def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block_n: int, target_programs: int):
+    """History and extra-segment split sizes so that stage 1 has about `target_programs` programs."""
+    per_split = batch_heads * m_tiles
+    want = max(1, math.ceil(target_programs / per_split))
+    hist_splits = max(1, min(want, math.ceil(n_hist / block_n))) if n_hist > 0 else 1
+    hist_chunk = max(block_n, math.ceil(math.ceil(n_hist / hist_splits) / block_n) * block_n)
+    hist_splits = max(1, math.ceil(n_hist / hist_chunk)) if n_hist > 0 else 1
+    extra_splits = max(1, min(want, math.ceil(n_extra / block_n))) if n_extra > 0 else 0
+    extra_chunk = max(block_n, math.ceil(math.ceil(n_extra / max(extra_splits, 1)) / block_n) * block_n)
+    extra_splits = math.ceil(n_extra / extra_chunk) if n_extra > 0 else 0
+    return hist_splits, hist_chunk, extra_splits, extra_chunk
+
+
+_TARGET_PROGRAMS = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _TARGET_PROGRAMS:
+        _TARGET_PROGRAMS[device] = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _TARGET_PROGRAMS[device]
+
+
+def segment_attention_triton(
+    q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
+    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale,
+    block_n: int = 64, num_warps: int = 4, num_stages: int = 2, target_programs: int | None = None,
+):
+    """See `oscar_hf.ops.segment_attention` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
+    b, h, m, d = q.shape
+    block_m = 16 if m <= 16 else 64
+    m_tiles = triton.cdiv(m, block_m)
+    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(
+        b * h, m_tiles, n_hist, n_extra, block_n, target_programs or _target_programs(q.device))
+    n_splits = 1 + hist_splits + 1 + extra_splits
+    partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
+    partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
+    has_mask = key_mask is not None
+    mask = key_mask if has_mask else q.new_empty(1, 1, dtype=torch.bool)
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    groups = hist_meta_k.shape[3]
+    _segment_attention_kernel[(b * h, m_tiles, n_splits)](
+        q, *q.stride(),
+        partial, *partial.stride(),
+        partial_lse, *partial_lse.stride(),
+        sink_k, sink_v, *sink_k.stride(),
+        hist_codes_k, hist_codes_v, *hist_codes_k.stride(),
+        hist_meta_k, hist_meta_v, *hist_meta_k.stride(),
+        recent_k, recent_v, *recent_k.stride(),
+        extra_k, extra_v, *extra_k.stride(),
+        mask, *mask.stride(),
+        h, m, queries_per_group, query_start,
+        n_sink, n_hist, n_recent, n_extra,
+        hist_splits, hist_chunk, extra_chunk,
+        scale * LOG2E,
+        D=d, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
+    rows = b * h * m
+    _merge_kernel[(rows,)](
+        partial.view(rows, n_splits, d), n_splits * d, d, 1,
+        partial_lse.view(rows, n_splits), n_splits, 1,
+        out.view(rows, d), d, 1, lse.view(rows),
+        n_splits, D=d, BLOCK_S=triton.next_power_of_2(n_splits),
+    )
+    return out, lse

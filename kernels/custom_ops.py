@@ -1,0 +1,54 @@
+"""The Triton kernels as two torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
+- `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start)`: fused rotate -> clip -> quantize -> pack,
+  mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
+- `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
+  merged by log-sum-exp. Returns `(out, lse)`.
+Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference` and
+`oscar_hf.ops.segment_attention_reference`; `oscar_hf.ops` picks between them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .attention import segment_attention_triton
+from .quantize import quantize_pack_triton
+
+__all__ = ["quantize_pack", "segment_attention"]
+
+
+@torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
+def quantize_pack(
+    x: torch.Tensor, rotation: Optional[torch.Tensor], clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int
+) -> None:
+    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start)
+
+
+@quantize_pack.register_fake
+def _(x, rotation, clip_ratio, codes, meta, start) -> None:
+    return None
+
+
+@torch.library.custom_op("oscar::segment_attention", mutates_args=())
+def segment_attention(
+    q: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor,
+    hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
+    recent_k: torch.Tensor, recent_v: torch.Tensor,
+    extra_k: torch.Tensor, extra_v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    n_sink: int, n_hist: int, n_recent: int, n_extra: int,
+    queries_per_group: int, query_start: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return segment_attention_triton(
+        q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
+        key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale,
+    )
+
+
+@segment_attention.register_fake
+def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
+      key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -1,0 +1,118 @@
+"""Fused rotate -> clip -> quantize -> pack (Triton), the kernel twin of `oscar_hf.quant` + `OscarLayer` demotion.
+
+One program handles BLOCK_T rows (tokens) of one (batch, KV head): optionally rotates them (x·R_h with `tl.dot`,
+rounded to the storage dtype exactly like the torch path's matmul), clips each row at its quantile threshold
+τ = sort(|x|)[floor(r·d)] (`tl.sort`), computes per-group min/max, a 16-bit scale and minimum, codes
+rint((x − m)/s) ∈ [0, 3] from the *stored* scale/minimum, and packs 4 codes per byte along head_dim in quarter
+planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the convention of `oscar_hf.quant`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rint(x):
+    # Round half to even, like torch.round (x is small: |x| < 2^22).
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, rot_ptr, codes_ptr, meta_ptr,
+    n_rows, heads, start,
+    sx_b, sx_h, sx_t, sx_d,
+    sr_h, sr_i, sr_j,
+    sc_b, sc_h, sc_t, sc_d,
+    sm_b, sm_h, sm_t, sm_g, sm_2,
+    clip_index,
+    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META_BF16: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D)
+    row_ok = rows < n_rows
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + rows[:, None] * sx_t + cols[None, :] * sx_d,
+                mask=row_ok[:, None], other=0.0)
+    if ROTATE:
+        r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
+        if UPCAST:  # the Triton interpreter (CPU tests) mishandles 16-bit dot operands
+            x = tl.dot(x.to(tl.float32), r.to(tl.float32))
+        else:
+            x = tl.dot(x, r, out_dtype=tl.float32)
+        # the torch path rotates with a matmul in the storage dtype: round the same way
+        if STORE_BF16:
+            x = x.to(tl.bfloat16)
+        else:
+            x = x.to(tl.float16)
+    x = x.to(tl.float32)
+    if CLIP:
+        mag = tl.sort(tl.abs(x), dim=1)
+        tau = tl.sum(tl.where(cols[None, :] == clip_index, mag, 0.0), axis=1)
+        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+    GS: tl.constexpr = D // GROUPS
+    xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
+    lo = tl.min(xg, axis=2)
+    hi = tl.max(xg, axis=2)
+    if META_BF16:
+        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38).to(tl.bfloat16)
+        minimum = lo.to(tl.bfloat16)
+    else:
+        scale = tl.minimum(tl.maximum((hi - lo) / 3.0, 6.103515625e-05), 65504.0).to(tl.float16)
+        minimum = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
+    s = scale.to(tl.float32)
+    m = minimum.to(tl.float32)
+    codes = _rint((xg - m[:, :, None]) / s[:, :, None])
+    codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+    codes = tl.reshape(codes, (BLOCK_T, 4, D // 4))
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
+    qcols = tl.arange(0, D // 4)
+    tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
+             packed, mask=row_ok[:, None])
+    g = tl.arange(0, GROUPS)
+    meta_base = meta_ptr + b * sm_b + h * sm_h + (start + rows)[:, None] * sm_t + g[None, :] * sm_g
+    tl.store(meta_base, scale, mask=row_ok[:, None])
+    tl.store(meta_base + sm_2, minimum, mask=row_ok[:, None])
+
+
+def quantize_pack_triton(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    clip_ratio: float,
+    codes: torch.Tensor,
+    meta: torch.Tensor,
+    start: int,
+) -> None:
+    """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
+    `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and `meta[:, :, start:start+n]` `[B, H, L, G, 2]`."""
+    b, h, n, d = x.shape
+    if n == 0:
+        return
+    groups = meta.shape[3]
+    clip_index = min(int(clip_ratio * d + 1e-9), d)
+    block_t = 16 if d >= 256 else 32
+    rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
+    grid = (triton.cdiv(n, block_t), b * h)
+    _quantize_pack_kernel[grid](
+        x, rot, codes, meta,
+        n, h, start,
+        *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
+        clip_index,
+        D=d, GROUPS=groups, BLOCK_T=block_t,
+        ROTATE=rotation is not None, CLIP=clip_index < d, STORE_BF16=x.dtype == torch.bfloat16,
+        META_BF16=meta.dtype == torch.bfloat16, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+    )
