@@ -42,19 +42,33 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _biased_codes(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, UPCAST: tl.constexpr):
-    """`[BLOCK_N, D/4]` uint8 -> `[BLOCK_N, D]` codes plus a bias, columns in byte order (4j + p), by the exponent
-    trick: bf16 0x4300 | c = 128 + c (HALF=False), fp16 0x6400 | c = 1024 + c (HALF=True); no conversion instruction."""
+def _byte_order_codes(packed, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """`[BLOCK_N, D/4]` uint8 -> `[BLOCK_N, D]` int32 codes, columns in byte order (column 4j + p = plane p of byte j)."""
     shifts = tl.arange(0, 4) * 2
     codes = (packed[:, :, None].to(tl.int32) >> shifts[None, None, :]) & 3
-    codes = tl.reshape(codes, (BLOCK_N, D))
-    if HALF:
-        if UPCAST:  # the interpreter cannot bitcast into 16-bit floats
-            return (codes + 1024).to(tl.float32).to(tl.float16)
-        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(codes, (BLOCK_N, D))
+
+
+@triton.jit
+def _codes_plus_128_bf16(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+    """Codes as bf16 128 + c by the exponent trick (0x4300 | c), no conversion instruction."""
+    codes = _byte_order_codes(packed, BLOCK_N, D)
+    if UPCAST:  # the interpreter cannot bitcast into 16-bit floats
+        out = (codes + 128).to(tl.float32).to(tl.bfloat16)
+    else:
+        out = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def _codes_plus_1024_fp16(packed, BLOCK_N: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr):
+    """Codes as fp16 1024 + c by the exponent trick (0x6400 | c)."""
+    codes = _byte_order_codes(packed, BLOCK_N, D)
     if UPCAST:
-        return (codes + 128).to(tl.float32).to(tl.bfloat16)
-    return (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        out = (codes + 1024).to(tl.float32).to(tl.float16)
+    else:
+        out = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return out
 
 
 @triton.jit
@@ -104,6 +118,7 @@ def _int2_range(
     ck_ptr, cv_ptr, sc_b, sc_h, sc_t, mk_ptr, mv_ptr, sm_b, sm_h, sm_t,
     b, h, lo, hi, pos_offset, mask_ptr, smask_b, scale,
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
+    Q_FP16: tl.constexpr,
 ):
     QD: tl.constexpr = D // 4
     dq = tl.arange(0, QD)
@@ -116,31 +131,37 @@ def _int2_range(
         idx = start + tl.arange(0, BLOCK_N)
         ok, valid = _visible(idx, hi, pos_offset, qpos, b, mask_ptr, smask_b, HAS_MASK)
         coffs = cbase + idx[:, None] * sc_t + dq[None, :]
-        kc = _biased_codes(tl.load(ck_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, False, UPCAST)
+        # key codes in the query's dtype: bf16 128 + c, or fp16 1024 + c
+        if Q_FP16:
+            kc = _codes_plus_1024_fp16(tl.load(ck_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, UPCAST)
+            KB: tl.constexpr = 1024.0
+        else:
+            kc = _codes_plus_128_bf16(tl.load(ck_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, UPCAST)
+            KB: tl.constexpr = 128.0
         mrow = mbase + idx * sm_t
         if GROUPS == 1:
             ks = tl.load(mk_ptr + mrow, mask=ok, other=0.0).to(tl.float32)
             km = tl.load(mk_ptr + mrow + 1, mask=ok, other=0.0).to(tl.float32)
-            s = (_dot(q, tl.trans(kc), UPCAST) * ks[None, :] + qsum[:, None] * (km - 128.0 * ks)[None, :]) * scale
+            s = (_dot(q, tl.trans(kc), UPCAST) * ks[None, :] + qsum[:, None] * (km - KB * ks)[None, :]) * scale
         else:
             ks = tl.load(mk_ptr + mrow[:, None] + group[None, :] * 2, mask=ok[:, None], other=0.0).to(tl.float32)
             km = tl.load(mk_ptr + mrow[:, None] + group[None, :] * 2 + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-            k = ((kc.to(tl.float32) - 128.0) * ks + km).to(q.dtype)
+            k = ((kc.to(tl.float32) - KB) * ks + km).to(q.dtype)
             s = _dot(q, tl.trans(k), UPCAST) * scale
         p, m_i, l_i, acc, corr = _online_update(s, valid, m_i, l_i, acc, corr)
         if GROUPS == 1:
             # fp16 weights (p·s <= 1): 8x finer than bf16; the 1024 offset cancels against the same rounded weights
-            vc = _biased_codes(tl.load(cv_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, True, UPCAST)
+            vc = _codes_plus_1024_fp16(tl.load(cv_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, UPCAST)
             vs = tl.load(mv_ptr + mrow, mask=ok, other=0.0).to(tl.float32)
             vm = tl.load(mv_ptr + mrow + 1, mask=ok, other=0.0).to(tl.float32)
             ps = (p * vs[None, :]).to(tl.float16)
             acc += _dot(ps, vc, UPCAST)
             corr += tl.sum(p * vm[None, :], axis=1) - 1024.0 * tl.sum(ps.to(tl.float32), axis=1)
         else:
-            vc = _biased_codes(tl.load(cv_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, False, UPCAST)
+            vc = _codes_plus_1024_fp16(tl.load(cv_ptr + coffs, mask=ok[:, None], other=0), BLOCK_N, D, UPCAST)
             vs = tl.load(mv_ptr + mrow[:, None] + group[None, :] * 2, mask=ok[:, None], other=0.0).to(tl.float32)
             vm = tl.load(mv_ptr + mrow[:, None] + group[None, :] * 2 + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-            v = ((vc.to(tl.float32) - 128.0) * vs + vm).to(q.dtype)
+            v = ((vc.to(tl.float32) - 1024.0) * vs + vm).to(q.dtype)
             acc += _dot(p.to(q.dtype), v, UPCAST)
     return m_i, l_i, acc, corr
 
@@ -158,7 +179,7 @@ def _segment_attention_kernel(
     mask_ptr, smask_b,
     heads, M, T, q_start, n_sink, n_hist, n_recent, n_extra, hist_splits, hist_chunk, extra_chunk, scale,
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, Q_FP16: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -192,7 +213,7 @@ def _segment_attention_kernel(
         hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
         m_i, l_i, acc, corr = _int2_range(
             q, qsum, qpos, m_i, l_i, acc, corr, codes_k, codes_v, sc_b, sc_h, sc_t, meta_k, meta_v, sm_b, sm_h, sm_t,
-            b, h, lo, hi, n_sink, mask_ptr, smask_b, scale, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST)
+            b, h, lo, hi, n_sink, mask_ptr, smask_b, scale, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST, Q_FP16)
         out_col = perm
     elif split == recent_split:
         q = tl.load(q_rows + col[None, :], mask=row_ok[:, None], other=0.0)
@@ -307,6 +328,7 @@ def segment_attention_triton(
         h, m, queries_per_group, query_start, n_sink, n_hist, n_recent, n_extra, hist_splits, hist_chunk, extra_chunk,
         scale * LOG2E,
         D=d, GROUPS=hist_meta_k.shape[3], BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
+        Q_FP16=q.dtype == torch.float16,
         num_warps=num_warps or DEFAULT_LAUNCH["num_warps"], num_stages=num_stages or DEFAULT_LAUNCH["num_stages"],
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
