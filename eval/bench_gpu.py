@@ -251,7 +251,7 @@ def section_tune(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
 
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
-    grid = [(bn, nw, ns, tp) for bn in (32, 64, 128) for nw in (2, 4, 8) for ns in (1, 2) for tp in (2, 4, 8)]
+    grid = [(bn, nw, ns, tp) for bn in (32, 64, 128) for nw in (2, 4) for ns in (1, 2) for tp in (2, 4, 8)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

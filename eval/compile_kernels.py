@@ -7,7 +7,6 @@ shared memory from ptxas: catches compile errors and spills before spending devi
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
 import re
 import subprocess
@@ -53,28 +52,29 @@ def ptxas_report(kernel) -> str:
 
 def main():
     failures = 0
-    for d, groups, block_m, block_n, qtype, mask in itertools.product((64, 128, 256), (1, 2, 4), (16, 64), (32, 64, 128),
-                                                                      ("bf16", "fp16"), (False, True)):
-        if (block_m == 64 and block_n == 128) or (d == 256 and block_n == 128):
-            continue
+    variants = [(d, g, 16, 64, "bf16", False) for d in (64, 128, 256) for g in (1, 2, 4)]
+    variants += [(128, 1, 16, bn, "bf16", False) for bn in (32, 128)]
+    variants += [(128, 1, 64, 64, "bf16", True), (128, 1, 16, 64, "fp16", True), (64, 2, 64, 32, "fp16", False)]
+    for d, groups, block_m, block_n, qtype, mask in variants:
         const = dict(D=d, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False, Q_FP16=qtype == "fp16")
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, signature(attention._segment_attention_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
-            if groups == 1 and not mask and qtype == "bf16":
-                print(f"attention d={d} G={groups} BM={block_m} BN={block_n} {qtype}: {ptxas_report(k)}")
+            if True:
+                print(f"attention d={d} G={groups} BM={block_m} BN={block_n} {qtype} mask={mask}: {ptxas_report(k)}", flush=True)
         except Exception as e:
             failures += 1
             print(f"attention d={d} G={groups} BM={block_m} BN={block_n} {qtype} mask={mask}: FAILED {str(e)[-400:]}")
-    for d, groups, rotate, clip, bf16, meta_bf16 in itertools.product((64, 128, 256), (1, 2, 4), (False, True), (False, True),
-                                                                      (False, True), (False, True)):
+    qvariants = [(d, 1, r, True, True, False) for d in (64, 128, 256) for r in (False, True)]
+    qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
+    for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
         const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
                      META_BF16=meta_bf16, UPCAST=False)
         qtype = "bf16" if bf16 else "fp16"
         try:
             k = triton.compile(ASTSource(quantize._quantize_pack_kernel, signature(quantize._quantize_pack_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
-            if groups == 1 and clip and bf16 and not meta_bf16:
+            if True:
                 print(f"quantize d={d} rotate={rotate}: {ptxas_report(k)}")
         except Exception as e:
             failures += 1
