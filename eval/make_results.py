@@ -83,7 +83,7 @@ def plot_niah(model: str, records: list[dict]) -> str | None:
         ax.axis("off")
     fig.suptitle(f"{model}: needle retrieval (green = exact match)")
     fig.tight_layout()
-    PLOTS.mkdir(exist_ok=True)
+    PLOTS.mkdir(parents=True, exist_ok=True)
     path = PLOTS / f"niah_{model}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -115,7 +115,7 @@ def plot_ppl(all_ppl: dict[str, dict]) -> str | None:
         for i, v in enumerate(vals):
             ax.text(v, i, f" {v:.2f}", va="center", fontsize=6)
     fig.tight_layout()
-    PLOTS.mkdir(exist_ok=True)
+    PLOTS.mkdir(parents=True, exist_ok=True)
     path = PLOTS / "ppl_vs_method.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -125,7 +125,7 @@ def plot_ppl(all_ppl: dict[str, dict]) -> str | None:
 def plot_diagnostics(model: str, data: dict) -> str:
     from oscar_hf.evaluation.diagnostics import plot
 
-    PLOTS.mkdir(exist_ok=True)
+    PLOTS.mkdir(parents=True, exist_ok=True)
     path = PLOTS / f"layer_error_{model}.png"
     plot(data["results"], path, title=f"{model}: per-layer error vs BF16 ({data['meta']['data']['context']} context "
                                       f"+ {data['meta']['data']['chunk']} scored tokens)")
@@ -193,8 +193,8 @@ def ablation_section(model: str, data: dict) -> list[str]:
     lines = [f"### Ablations on `{model}` (perplexity through the cache, same protocol)", "",
              "| variant | what changes | PPL | vs OSCAR | bits/elem | history bits |", "|---|---|---|---|---|---|"]
     for name, r in res.items():
-        lines.append(f"| `{name}` | {labels.get(name, '')} | {fmt(r['perplexity'])} | "
-                     f"{'–' if base is None else f'{100 * (r['perplexity'] / base - 1):+.1f}%'} | "
+        change = "–" if base is None else f"{100 * (r['perplexity'] / base - 1):+.1f}%"
+        lines.append(f"| `{name}` | {labels.get(name, '')} | {fmt(r['perplexity'])} | {change} | "
                      f"{fmt(r['bits']['bits_per_element'], 3)} | {fmt(meta['methods'][name]['history_bits'], 3)} |")
     lines.append("")
     lines.append(f"Provenance: {provenance(meta)}")
@@ -266,7 +266,17 @@ def closing_note(all_ppl: dict, all_niah: dict, ablations: dict | None) -> list[
     return lines
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    global RESULTS, PLOTS, EVAL
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=str(RESULTS), help="folder of <model>/<stage>.json files")
+    parser.add_argument("--output", default=str(EVAL), help="folder for RESULTS.md and plots/")
+    args = parser.parse_args(argv)
+    notes_path = EVAL / "NOTES.md"
+    RESULTS, EVAL = Path(args.results), Path(args.output)
+    PLOTS = EVAL / "plots"
     all_ppl, all_niah = {}, {}
     body: list[str] = []
     ablations = None
@@ -308,7 +318,6 @@ def main() -> None:
                      if name in d["results"] else "–" for d in all_ppl.values()]
             summary.append(f"| `{name}` | " + " | ".join(cells) + " |")
     summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences.)", ""]
-    notes_path = EVAL / "NOTES.md"
     notes = notes_path.read_text().splitlines() if notes_path.is_file() else []
     text = head + summary + body + closing_note(all_ppl, all_niah, ablations) + notes
     (EVAL / "RESULTS.md").write_text("\n".join(text) + "\n")

@@ -185,7 +185,8 @@ def run_tasks(args) -> int:
     from .runner import Session, select
 
     windows = Windows(args.sink, args.window, args.residual)
-    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads)
+    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
+                      args.calibration_length)
     methods = select(main_methods(windows), args.methods)
     rotations = session.rotations(methods)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -215,7 +215,8 @@ def get_method(name: str, windows: Windows = Windows()) -> Method:
 def calibration_key(config: OscarConfig) -> str:
     """What determines a calibrated rotation file: the rotation options, and the clip fit's layout."""
     fields = ("bits", "group_size", "sink_tokens", "window_tokens", "key_target", "value_target", "per_head",
-              "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "heldout_tokens")
+              "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "calibration_sequence_length",
+              "heldout_tokens")
     return ",".join(f"{f}={getattr(config, f)}" for f in fields)
 
 
@@ -225,16 +226,22 @@ class RotationStore:
     `rotations_for(method)` returns the calibrated `OscarRotations` for a method that needs them (None otherwise).
     """
 
-    def __init__(self, model, tokenizer, data=None, calibration_tokens: int = 8192, progress: bool = True):
+    def __init__(self, model, tokenizer, data=None, calibration_tokens: int = 8192, progress: bool = True,
+                 calibration_sequence_length: int = 2048):
         self.model, self.tokenizer, self.data = model, tokenizer, data
         self.calibration_tokens = calibration_tokens
+        self.calibration_sequence_length = calibration_sequence_length
         self.progress = progress
         self.statistics = None
         self.cache: dict[str, OscarRotations] = {}
         self.seconds: dict[str, float] = {}
 
+    def calibration_config(self, config: OscarConfig) -> OscarConfig:
+        return config.replace(calibration_tokens=self.calibration_tokens,
+                              calibration_sequence_length=self.calibration_sequence_length)
+
     def put(self, config: OscarConfig, rotations: OscarRotations) -> None:
-        self.cache[calibration_key(config.replace(calibration_tokens=self.calibration_tokens))] = rotations
+        self.cache[calibration_key(self.calibration_config(config))] = rotations
 
     def rotations_for(self, method: Method) -> OscarRotations | None:
         if not method.needs_calibration:
@@ -243,7 +250,7 @@ class RotationStore:
 
         from ..calibrate import calibrate
 
-        config = method.oscar.replace(calibration_tokens=self.calibration_tokens)
+        config = self.calibration_config(method.oscar)
         key = calibration_key(config)
         if key not in self.cache:
             start = time.perf_counter()

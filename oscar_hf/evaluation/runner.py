@@ -66,6 +66,7 @@ def load(model_spec: str, dtype: str = "bfloat16"):
         source = json.loads((path / "oscar_hf_source.json").read_text())
     else:
         path, source = Path(model_spec), {"path": str(Path(model_spec).resolve())}
+        name = path.resolve().name
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtypes[dtype], attn_implementation="oscar").eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     cfg = model.config.get_text_config(decoder=True)
@@ -80,7 +81,8 @@ class Session:
     """One model, its rotations, and where results go. Calibrates at most once (statistics reused)."""
 
     def __init__(self, model_spec: str, output: str | Path = "eval/results", dtype: str = "bfloat16",
-                 calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None):
+                 calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None,
+                 calibration_length: int = 2048):
         if threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
@@ -88,7 +90,8 @@ class Session:
         self.windows = windows
         self.output = Path(output) / self.info["name"]
         self.output.mkdir(parents=True, exist_ok=True)
-        self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=False)
+        self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=False,
+                                   calibration_sequence_length=calibration_length)
         self.rotation_dir = self.output / "rotations"
         self.eval_docs = list(assets.essay_split("eval").values())
 
@@ -99,7 +102,7 @@ class Session:
         for name, method in methods.items():
             if not method.needs_calibration:
                 continue
-            config = method.oscar.replace(calibration_tokens=self.store.calibration_tokens)
+            config = self.store.calibration_config(method.oscar)
             folder = self.rotation_dir / _slug(calibration_key(config))
             if (folder / "oscar_rotations.json").is_file() and self.store.statistics is None:
                 rotations = OscarRotations.from_pretrained(folder)
@@ -237,7 +240,8 @@ def run(args) -> int:
         from .lm_eval_model import run_tasks
 
         return run_tasks(args)
-    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads)
+    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
+                      args.calibration_length)
     for stage in stages:
         if stage == "ppl":
             session.perplexity(select(main_methods(windows), args.methods), sequences=args.sequences,
@@ -269,6 +273,7 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--residual", type=int, default=128, help="KIVI / HF QuantizedCache full-precision residual")
     parser.add_argument("--calibration-tokens", type=int, default=8192)
+    parser.add_argument("--calibration-length", type=int, default=2048, help="tokens per calibration sequence")
     parser.add_argument("--sequences", type=int, default=3, help="perplexity: evaluation sequences")
     parser.add_argument("--length", type=int, default=2048, help="perplexity: tokens per sequence")
     parser.add_argument("--context", type=int, default=512, help="perplexity: tokens prefilled before scoring")
