@@ -150,8 +150,8 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
     niah_acc = niah_table(niah["results"]) if niah else {}
     lengths = sorted({r["length"] for r in niah["results"]}) if niah else []
     head = "| method | PPL | vs BF16 | bits/elem @ " + str(d["sequence_length"]) + " tok | history bits | "
-    head += " | ".join(f"NIAH {L}" for L in lengths) + (" | NIAH all |" if lengths else "")
-    lines = [head, "|" + "---|" * (5 + len(lengths) + (1 if lengths else 0))]
+    head += " | ".join(f"NIAH {L}" for L in lengths) + (f" | NIAH all | bits/elem @ {lengths[-1]} tok |" if lengths else "")
+    lines = [head, "|" + "---|" * (5 + len(lengths) + (2 if lengths else 0))]
     for name in MAIN:
         if name not in res:
             continue
@@ -163,6 +163,8 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
             for L in lengths:
                 cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}" if n and L in n["by_length"] else "–")
             cells.append(f"**{n['hits']}/{n['n']}**" if n else "–")
+            long_bits = [b for L, b in n["bits"] if L == lengths[-1]] if n else []
+            cells.append(fmt(sum(long_bits) / len(long_bits), 3) if long_bits else "–")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"Perplexity: {d['sequences']} × {d['sequence_length']} tokens of {d['source']}; the first "
