@@ -62,3 +62,21 @@ def test_lm_eval_command_line_with_the_oscar_model_type(tmp_path):
     res = json.loads(files[0].read_text())
     assert "oscar_bb_siqa" in res["results"] and res["config"]["model"] == "oscar"
     assert "method=naive-int2" in str(res["config"]["model_args"])
+
+
+def test_generate_until_uses_the_methods_cache(smollm2_fp32):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from oscar_hf.evaluation.lm_eval_model import OscarLM
+
+    model, tok = smollm2_fp32
+    request = [Instance(request_type="generate_until", doc={}, idx=0,
+                        arguments=("The capital of France is", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}))]
+    plain = HFLM(pretrained=model, tokenizer=tok, batch_size=1).generate_until(request)
+    lm = OscarLM(pretrained=model, tokenizer=tok, method="bf16", batch_size=1)
+    made = []
+    original = lm.make_cache
+    lm.make_cache = lambda: made.append(1) or original()
+    assert lm.generate_until(request) == plain
+    assert made == [1]

@@ -299,8 +299,9 @@ def cache_bits(cache: Cache) -> dict[str, Any]:
         layers += 1
         tokens = layer.get_seq_length()
         k = layer.keys
-        b, h, d = k.shape[0], k.shape[1], k.shape[-1]
-        if k.numel() == 0:  # a quantized layer whose residual is empty: read the shape from the quantized keys
+        if k.dim() == 4 and k.numel():
+            b, h, d = k.shape[0], k.shape[1], k.shape[-1]
+        else:  # a quantized layer whose residual is empty: read the shape from the quantized keys
             b, h, d = _quantized_shape(layer)
         elements += 2 * b * h * d * tokens
         stored += _tensor_bytes(layer.keys) + _tensor_bytes(layer.values)
