@@ -242,28 +242,37 @@ def closing_note(all_ppl: dict, all_niah: dict, ablations: dict | None) -> list[
     for model, data in all_ppl.items():
         res = data["results"]
         bf16 = res["bf16"]["perplexity"]
+        n_tok = data["meta"]["data"]["sequence_length"]
 
         def rel(name):
-            return 100 * (res[name]["perplexity"] / bf16 - 1) if name in res else None
+            return f"{100 * (res[name]['perplexity'] / bf16 - 1):+.1f}%"
 
-        parts = [f"**{model}**: OSCAR {fmt(res['oscar']['perplexity'])} vs BF16 {fmt(bf16)} ({rel('oscar'):+.1f}%)"]
-        for other in ("oscar-ref", "kivi2", "kivi2-g64", "hadamard-int2", "naive-int2", "hf-hqq-int2", "naive-int4"):
+        def bits(name):
+            return fmt(res[name]["bits"]["bits_per_element"], 2)
+
+        parts = [f"**{model}** (perplexity vs BF16 {fmt(bf16)}, bits/element at {n_tok} tokens): "
+                 f"OSCAR {rel('oscar')} at {bits('oscar')} bits"]
+        for other in ("oscar-ref", "kivi2", "kivi2-g64", "oscar-s32w64", "hadamard-int2", "naive-int2", "hf-hqq-int2", "naive-int4"):
             if other in res:
-                parts.append(f"{other} {rel(other):+.1f}%")
-        line = "; ".join(parts)
-        if "kivi2" in res:
-            kb, ob = res["kivi2"]["bits"]["bits_per_element"], res["oscar"]["bits"]["bits_per_element"]
-            line += (f". At the measured bits (OSCAR {fmt(ob, 2)}, KIVI-2 {fmt(kb, 2)} bits/element at "
-                     f"{data['meta']['data']['sequence_length']} tokens)")
-            if "oscar-s32w64" in res and "kivi2-g64" in res:
-                line += (f"; matched-bits pair: OSCAR s32/w64 {fmt(res['oscar-s32w64']['perplexity'])} at "
-                         f"{fmt(res['oscar-s32w64']['bits']['bits_per_element'], 2)} bits vs KIVI-2 g64 "
-                         f"{fmt(res['kivi2-g64']['perplexity'])} at {fmt(res['kivi2-g64']['bits']['bits_per_element'], 2)} bits")
+                parts.append(f"{other} {rel(other)} at {bits(other)}")
+        line = "; ".join(parts) + "."
+        if {"kivi2", "kivi2-g64", "oscar-s32w64"} <= set(res):
+            best_kivi = min(("kivi2", "kivi2-g64"), key=lambda k: res[k]["perplexity"])
+            o = res["oscar-s32w64"]
+            k = res[best_kivi]
+            fewer = o["bits"]["bits_per_element"] <= k["bits"]["bits_per_element"]
+            better = o["perplexity"] < k["perplexity"]
+            line += (f" Against KIVI-2 at matched (or fewer) bits: OSCAR s32/w64 ({bits('oscar-s32w64')} bits) is "
+                     f"{'better' if better else 'worse'} than the best KIVI-2 row `{best_kivi}` ({bits(best_kivi)} bits)"
+                     f"{'' if fewer else ' although it stores more bits'}.")
+        if "oscar-ref" in res:
+            line += (f" Against the reference recipe at equal bits: OSCAR is "
+                     f"{'better' if res['oscar']['perplexity'] < res['oscar-ref']['perplexity'] else 'worse'}.")
         niah = all_niah.get(model)
         if niah:
             acc = niah_table(niah["results"])
-            line += ". NIAH: " + ", ".join(f"{m} {acc[m]['hits']}/{acc[m]['n']}" for m in MAIN if m in acc)
-        lines.append(line + ".")
+            line += " NIAH exact match: " + ", ".join(f"{m} {acc[m]['hits']}/{acc[m]['n']}" for m in MAIN if m in acc) + "."
+        lines.append(line)
         lines.append("")
     return lines
 
@@ -310,7 +319,8 @@ def paper_comparison(ablations: dict | None, all_ppl: dict) -> list[str]:
                 f"{'64/256' if k == 'oscar' else k[3:].replace('-', '/')}: {fmt(p[k])} at {fmt(bits[k], 2)} bits" for k in sweep) + ".")
         if "naive-int2-sw-0-0" in p and "sw-0-0" in p:
             claim(f"**Without any full-precision window** naive INT2 reaches PPL {fmt(p['naive-int2-sw-0-0'])} and OSCAR "
-                  f"{fmt(p['sw-0-0'])} (the paper: naive INT2 scores 0 on every benchmark, OSCAR without windows too).")
+                  f"{fmt(p['sw-0-0'])}, at {fmt(a['sw-0-0']['bits']['bits_per_element'], 2)} bits (the paper reports a "
+                  "mean accuracy of 0 for OSCAR with (S0, W) = (0, 0), Table 5 as summarised in oscar-method.md).")
         lines.append(f"(Ablations on `{model}`, same perplexity protocol as the main table.)")
         lines.append("")
     return lines

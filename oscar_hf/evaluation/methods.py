@@ -29,7 +29,7 @@ own `OscarConfig`), or "identity"/"hadamard" (data-free). `Method.make_cache(mod
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from ..cache import OscarCache, OscarLayer
 from ..config import OscarConfig
 from ..models import model_geometry, text_config
 from ..rotations_io import OscarRotations
-from .kivi import KiviCache, KiviConfig, KiviLayer
+from .kivi import KiviCache, KiviConfig
 
 REFERENCE_CLIPS = (0.96, 0.92)  # the reference implementation's fixed key / value clip ratios
 
@@ -373,10 +373,6 @@ def fill_from_prefill(cache: Cache, prefilled: DynamicCache) -> Cache:
     return cache
 
 
-def scaled_windows(sink: int, window: int, residual: int) -> Windows:
-    return Windows(sink, window, residual)
-
-
 def head_dim_of(model) -> int:
     cfg = text_config(model.config)
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -384,5 +380,5 @@ def head_dim_of(model) -> int:
 
 __all__ = [
     "Method", "Windows", "main_methods", "ablation_methods", "all_methods", "get_method", "RotationStore",
-    "cache_bits", "nominal_history_bits", "hf_quantized_cache", "fill_from_prefill", "head_dim_of", "replace",
+    "cache_bits", "nominal_history_bits", "hf_quantized_cache", "fill_from_prefill", "head_dim_of",
 ]

@@ -15,7 +15,6 @@ Stages (each writes `<output>/<model>/<stage>.json`):
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
@@ -195,7 +194,7 @@ class Session:
         return path
 
     def diagnostics(self, methods: dict[str, Method], sequences: int = 2, context: int = 1536, chunk: int = 128) -> Path:
-        from .diagnostics import layer_errors, plot
+        from .diagnostics import layer_errors
 
         rotations = self.rotations(methods)
         seqs = token_sequences(self.tokenizer, self.eval_docs, context + chunk, sequences, offset=50000)
