@@ -8,6 +8,8 @@ T="--threads ${OMP_NUM_THREADS}"
 oscar-hf eval all --model smollm2-135m --lengths 4096,8000 --diagnostic-sequences 1 $T   # ppl, ablations, diagnostics, niah
 oscar-hf eval ppl --model gemma3-270m --sequences 2 $T
 oscar-hf eval niah --model gemma3-270m --lengths 4096,8192 --depths 0.25,0.5,0.75 $T
+oscar-hf eval ablations --model gemma3-270m --sequences 2 $T \
+    --ablations oscar,g32,no-U,no-H,clip-none,clip-ref,shared-per-layer,logit-v
 oscar-hf eval lm-eval --model smollm2-135m --tasks oscar_bb_siqa --num-fewshot 3 --limit 50 --sink 16 --window 32 \
     --residual 32 --methods bf16,oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4 $T
 oscar-hf eval ppl --model qwen2.5-coder-0.5b --sequences 2 $T

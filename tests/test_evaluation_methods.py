@@ -20,7 +20,7 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 @pytest.fixture(scope="module")
 def calibrated():
     model = tiny_model("llama")
-    rotations = calibrate(model, char_tokenizer(), data=None if False else _text_file(), config=OscarConfig(
+    rotations = calibrate(model, char_tokenizer(), data=_text_file(), config=OscarConfig(
         calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16, window_tokens=32),
         progress=False)
     return model, rotations
@@ -119,7 +119,8 @@ def test_fill_from_prefill_equals_the_methods_own_prefill(family):
 
 def test_rotation_store_calibrates_once_and_reuses_statistics(calibrated):
     model, _ = calibrated
-    store = RotationStore(model, char_tokenizer(), data=_text_file(), calibration_tokens=512, progress=False)
+    store = RotationStore(model, char_tokenizer(), data=_text_file(), calibration_tokens=512, progress=False,
+                          calibration_sequence_length=256)
     base = OscarConfig(calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16, window_tokens=32)
     from oscar_hf.evaluation.methods import Method
 
