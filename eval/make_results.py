@@ -206,11 +206,24 @@ def ablation_section(model: str, data: dict) -> list[str]:
 def diagnostics_section(model: str, data: dict) -> list[str]:
     plot = plot_diagnostics(model, data)
     lines = [f"### Per-layer error on `{model}`", "", f"![per-layer error]({plot})", "",
-             "| method | mean attention KL | mean attention-output rel. error | final hidden rel. error | logits KL |",
-             "|---|---|---|---|---|"]
+             "| method | mean attention KL | mean attention-output rel. error | mean key rel. error | mean value rel. error | final hidden rel. error | logits KL |",
+             "|---|---|---|---|---|---|---|"]
+
+    def mean_over_full(r, key):
+        rows = [row[key] for row in r["layers"] if not row.get("sliding")]
+        return sum(rows) / len(rows) if rows else None
+
     for name, r in data["results"].items():
         lines.append(f"| `{name}` | {fmt(r['mean_attention_kl'], 4)} | {fmt(r['mean_attention_output_error'], 4)} | "
+                     f"{fmt(mean_over_full(r, 'key_error'), 4)} | {fmt(mean_over_full(r, 'value_error'), 4)} | "
                      f"{fmt(r['final_hidden_error'], 4)} | {fmt(r['logits_kl'], 4)} |")
+    first = next(iter(data["results"].values()))
+    if "key_mean_share" in first["layers"][0]:
+        lines.append("")
+        lines.append(f"Share of the BF16 keys' / values' energy in their per-channel mean (full-attention layers, mean "
+                     f"over layers): keys {fmt(mean_over_full(first, 'key_mean_share'), 3)}, values "
+                     f"{fmt(mean_over_full(first, 'value_mean_share'), 3)} (near 1: every token carries the same offset "
+                     "vector, which token-wise quantization must spend its levels on and per-channel KIVI keys absorb).")
     d = data["meta"]["data"]
     lines.append("")
     lines.append(f"{d['sequences']} sequences of the evaluation essays (offset {d['offset_tokens']} tokens): {d['context']} "
@@ -355,7 +368,7 @@ def main(argv=None) -> None:
         body.append("")
         abl = load(model, "ablations")
         if abl:
-            ablations = abl
+            ablations = ablations or abl  # the paper comparison uses the first model's (full) ablation set
             body += ablation_section(model, abl) + [""]
         diag = load(model, "diagnostics")
         if diag:

@@ -12,7 +12,9 @@ and the keys/values it was given. The same is done with a BF16 `DynamicCache`. P
 - `attention_output_error`: ‖a − â‖² / ‖a‖² of the attention-block output after o_proj;
 - `hidden_error`: ‖h − ĥ‖² / ‖h‖² of the layer's output hidden state (errors propagated from earlier layers included);
 - `key_error`, `value_error`: ‖K − K̂‖² / ‖K‖² over the context tokens, as the cache hands them back (pure storage
-  error: the context's own keys/values are exact BF16 in every method, see `niah.py`).
+  error: the context's own keys/values are exact BF16 in every method, see `niah.py`);
+- `key_mean_share`, `value_mean_share` (BF16 reference): the share of the keys'/values' energy in their per-channel
+  mean over the context, i.e. how much of every token is the same offset vector.
 Errors propagate: layer l of the method sees the hidden states the method produced at layers < l, as in use.
 """
 
@@ -98,6 +100,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).square().sum() / a.square().sum().clamp(min=1e-30))
 
 
+def _mean_share(x: torch.Tensor) -> float:
+    """Share of the energy of `x` `[H, n, d]` in its per-channel mean over tokens: Σ_h ‖μ_h‖²·n / Σ ‖x‖².
+
+    Near 1: every token carries the same large per-channel offset (e.g. a k/v projection bias, or a learned k-norm
+    scale); token-wise quantization spends its few levels on it, per-channel quantization (KIVI keys) absorbs it."""
+    mean = x.mean(dim=1, keepdim=True)
+    return float(mean.square().sum() * x.shape[1] / x.square().sum().clamp(min=1e-30))
+
+
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
     """Mean KL(p ‖ q) over all rows of probability tensors `[..., S]`."""
     tiny = torch.finfo(torch.float32).tiny
@@ -118,6 +129,8 @@ def compare(reference: dict, run: dict, context: int) -> dict:
             "hidden_error": _relative(reference["hidden"][idx], run["hidden"][idx]),
             "key_error": _relative(ref["keys"][:, :past], got["keys"][:, :past]) if past else 0.0,
             "value_error": _relative(ref["values"][:, :past], got["values"][:, :past]) if past else 0.0,
+            "key_mean_share": _mean_share(ref["keys"][:, :past]) if past else 0.0,
+            "value_mean_share": _mean_share(ref["values"][:, :past]) if past else 0.0,
         })
     p = torch.softmax(reference["logits"], -1)
     q = torch.softmax(run["logits"], -1)
@@ -148,7 +161,8 @@ def layer_errors(model, sequences: list[torch.Tensor], methods: dict[str, Method
         layers = []
         for i, first in enumerate(runs[0]["layers"]):
             row = {"layer": first["layer"], "sliding": geometry.plan[first["layer"]] == "sliding"}
-            for key in ("attention_kl", "attention_output_error", "hidden_error", "key_error", "value_error"):
+            for key in ("attention_kl", "attention_output_error", "hidden_error", "key_error", "value_error",
+                        "key_mean_share", "value_mean_share"):
                 row[key] = sum(r["layers"][i][key] for r in runs) / len(runs)
             layers.append(row)
         summary = {k: sum(r[k] for r in runs) / len(runs) for k in ("logits_kl", "mean_attention_kl", "mean_attention_output_error", "final_hidden_error")}
