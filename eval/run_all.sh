@@ -16,4 +16,7 @@ oscar-hf eval ppl --model qwen2.5-coder-0.5b --sequences 2 $T
 oscar-hf eval niah --model qwen2.5-coder-0.5b --lengths 4096,8192 --depths 0.25,0.75 $T
 oscar-hf eval ppl --model qwen2.5-coder-1.5b --sequences 1 $T \
     --methods bf16,oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,kivi2-g64,hf-hqq-int2,naive-int4
+oscar-hf eval diagnostics --model qwen2.5-coder-0.5b --diagnostic-sequences 1 $T
+oscar-hf eval diagnostics --model gemma3-270m --diagnostic-sequences 1 $T
+oscar-hf eval diagnostics --model smollm2-135m --diagnostic-sequences 1 $T
 python eval/make_results.py
