@@ -224,6 +224,10 @@ def diagnostics_section(model: str, data: dict) -> list[str]:
                      f"over layers): keys {fmt(mean_over_full(first, 'key_mean_share'), 3)}, values "
                      f"{fmt(mean_over_full(first, 'value_mean_share'), 3)} (near 1: every token carries the same offset "
                      "vector, which token-wise quantization must spend its levels on and per-channel KIVI keys absorb).")
+        sens = {n: r["mean_attention_kl"] / mean_over_full(r, "key_error") for n, r in data["results"].items()
+                if mean_over_full(r, "key_error")}
+        lines.append("Attention KL per unit of relative key error (how sensitive this model's attention is to key "
+                     "storage error): " + ", ".join(f"{n} {fmt(v, 2)}" for n, v in sens.items()) + ".")
     d = data["meta"]["data"]
     lines.append("")
     lines.append(f"{d['sequences']} sequences of the evaluation essays (offset {d['offset_tokens']} tokens): {d['context']} "
