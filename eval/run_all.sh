@@ -13,8 +13,10 @@ oscar-hf eval ablations --model gemma3-270m --sequences 2 $T \
 oscar-hf eval lm-eval --model smollm2-135m --tasks oscar_bb_siqa --num-fewshot 3 --limit 50 --sink 16 --window 32 \
     --residual 32 --methods bf16,oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4 $T
 oscar-hf eval ppl --model qwen2.5-coder-0.5b --sequences 2 $T
-oscar-hf eval niah --model qwen2.5-coder-0.5b --lengths 4096,8192 --depths 0.25,0.75 $T
+oscar-hf eval niah --model qwen2.5-coder-0.5b --lengths 4096,8192,16384 --depths 0.25,0.75 $T
 oscar-hf eval ppl --model qwen2.5-coder-1.5b --sequences 1 $T \
+    --methods bf16,oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,kivi2-g64,hf-hqq-int2,naive-int4
+oscar-hf eval niah --model qwen2.5-coder-1.5b --lengths 4096 --depths 0.25,0.75 $T \
     --methods bf16,oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,kivi2-g64,hf-hqq-int2,naive-int4
 oscar-hf eval diagnostics --model qwen2.5-coder-0.5b --diagnostic-sequences 1 $T
 oscar-hf eval diagnostics --model gemma3-270m --diagnostic-sequences 1 $T
