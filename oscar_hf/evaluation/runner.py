@@ -1,0 +1,287 @@
+"""`oscar-hf eval ...`: runs the metrics for a list of methods on one model and writes raw JSON results.
+
+Every result file is `{"meta": {...provenance...}, "results": ...}` where meta records the model (and its package
+source), the data, token counts, seeds, windows, methods (with their full configs), calibration, library versions,
+the machine and the command line. `eval/make_results.py` turns these files into `eval/RESULTS.md` and plots.
+
+Stages (each writes `<output>/<model>/<stage>.json`):
+- ppl:         perplexity through the cache (`oscar_hf.metrics.perplexity`), main methods; bits at the last token.
+- ablations:   the same protocol for the paper's ablations (calibration statistics reused).
+- niah:        needle-in-a-haystack (`niah.py`), lengths × depths × seeds, main methods.
+- diagnostics: per-layer attention KL / output errors vs BF16 (`diagnostics.py`).
+- lm-eval:     offline lm-eval tasks through `OscarLM` (`lm_eval_model.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import assets
+from ..config import OscarConfig
+from ..data import token_sequences
+from ..metrics import perplexity
+from ..rotations_io import OscarRotations
+from .methods import Method, RotationStore, Windows, ablation_methods, cache_bits, calibration_key, head_dim_of, main_methods, nominal_history_bits
+
+STAGES = ("ppl", "ablations", "diagnostics", "niah", "lm-eval")
+
+
+def versions() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    out = {"oscar_hf": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    for name in ("lm_eval", "hqq", "optimum.quanto"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(module, "__version__", "unknown")
+        except ImportError:
+            pass
+    return out
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.machine(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.is_available()}
+
+
+def load(model_spec: str, dtype: str = "bfloat16"):
+    """`(model, tokenizer, info)`: an offline model name (see `assets.OFFLINE_MODELS`) or a local folder."""
+    import oscar_hf  # noqa: F401  (registers the "oscar" attention)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    name = model_spec.split(":", 1)[1] if model_spec.startswith("offline:") else model_spec
+    if name in assets.OFFLINE_MODELS:
+        path = assets.model_path(name)
+        source = json.loads((path / "oscar_hf_source.json").read_text())
+    else:
+        path, source = Path(model_spec), {"path": str(Path(model_spec).resolve())}
+        name = path.resolve().name
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtypes[dtype], attn_implementation="oscar").eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    cfg = model.config.get_text_config(decoder=True)
+    info = {"name": name, "source": source, "dtype": dtype, "model_type": cfg.model_type,
+            "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": head_dim_of(model), "layer_types": list(getattr(cfg, "layer_types", None) or []),
+            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}
+    return model, tokenizer, info
+
+
+class Session:
+    """One model, its rotations, and where results go. Calibrates at most once (statistics reused)."""
+
+    def __init__(self, model_spec: str, output: str | Path = "eval/results", dtype: str = "bfloat16",
+                 calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None,
+                 calibration_length: int = 2048):
+        if threads:
+            torch.set_num_threads(threads)
+        torch.set_grad_enabled(False)
+        self.model, self.tokenizer, self.info = load(model_spec, dtype)
+        self.windows = windows
+        self.output = Path(output) / self.info["name"]
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=False,
+                                   calibration_sequence_length=calibration_length)
+        self.rotation_dir = self.output / "rotations"
+        self.eval_docs = list(assets.essay_split("eval").values())
+
+    # ------------------------------------------------------------------ rotations
+    def rotations(self, methods: dict[str, Method]) -> dict[str, OscarRotations]:
+        """Calibrated rotations for the methods that need them; saved under `<output>/rotations/` and reused."""
+        out = {}
+        for name, method in methods.items():
+            if not method.needs_calibration:
+                continue
+            config = self.store.calibration_config(method.oscar)
+            folder = self.rotation_dir / _slug(calibration_key(config))
+            if (folder / "oscar_rotations.json").is_file() and self.store.statistics is None:
+                rotations = OscarRotations.from_pretrained(folder)
+                self.store.put(config, rotations)
+            rotations = self.store.rotations_for(method)
+            if not (folder / "oscar_rotations.json").is_file():
+                rotations.save_pretrained(folder)
+            out[name] = rotations
+        return out
+
+    def calibration_meta(self, rotations: dict[str, OscarRotations]) -> dict:
+        out = {}
+        for name, rot in rotations.items():
+            cal = rot.metadata.get("calibration", {})
+            kc, vc = rot.key_clips or {}, rot.value_clips or {}
+            out[name] = {"data": cal.get("data", {}).get("source"), "documents": cal.get("data", {}).get("documents"),
+                         "tokens": cal.get("tokens"), "heldout_tokens": cal.get("heldout_tokens"),
+                         "seconds": cal.get("seconds"), "method": rot.metadata.get("method"),
+                         "mean_key_clip": sum(kc.values()) / len(kc) if kc else None,
+                         "mean_value_clip": sum(vc.values()) / len(vc) if vc else None}
+        return out
+
+    # ------------------------------------------------------------------ output
+    def meta(self, stage: str, methods: dict[str, Method], extra: dict) -> dict:
+        return {
+            "stage": stage, "model": self.info, "windows": self.windows.__dict__, "dtype": self.info["dtype"],
+            "methods": {name: m.describe() | {"history_bits": nominal_history_bits(m, self.info["head_dim"])}
+                        for name, m in methods.items()},
+            "versions": versions(), "machine": machine(),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra,
+        }
+
+    def write(self, stage: str, meta: dict, results) -> Path:
+        path = self.output / f"{stage}.json"
+        path.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=_jsonable))
+        print(f"wrote {path}", flush=True)
+        return path
+
+    # ------------------------------------------------------------------ stages
+    def perplexity(self, methods: dict[str, Method], stage: str = "ppl", sequences: int = 3, length: int = 2048,
+                   context: int = 512, chunk: int = 128) -> Path:
+        seqs = token_sequences(self.tokenizer, self.eval_docs, length, sequences)
+        rotations = self.rotations(methods)
+        results = {}
+        for name, method in methods.items():
+            start = time.perf_counter()
+            caches = []
+
+            def make(method=method, name=name):
+                caches.append(method.make_cache(self.model, rotations.get(name)))
+                return caches[-1]
+
+            ppl = perplexity(self.model, seqs, make, context=context, chunk=chunk)
+            results[name] = {**ppl, "bits": cache_bits(caches[-1]), "seconds": round(time.perf_counter() - start, 1)}
+            print(f"[{self.info['name']}] {stage} {name:20s} ppl {ppl['perplexity']:8.3f}  bits "
+                  f"{results[name]['bits']['bits_per_element']:.3f}  ({results[name]['seconds']} s)", flush=True)
+        data = {"source": f"pip:{assets.ESSAYS_PACKAGE} Paul Graham essays, evaluation split (first {assets.EVAL_ESSAYS})",
+                "sequences": sequences, "sequence_length": length, "context": context, "chunk": chunk,
+                "scored_tokens": results[next(iter(results))]["tokens"]}
+        meta = self.meta(stage, methods, {"data": data, "calibration": self.calibration_meta(rotations),
+                                          "protocol": "oscar_hf.metrics.perplexity: context prefilled into the cache, "
+                                                      "the rest scored in chunks against the stored history"})
+        return self.write(stage, meta, results)
+
+    def niah(self, methods: dict[str, Method], lengths, depths, seeds, max_new_tokens: int = 8) -> Path:
+        from .niah import make_trial, run_trial
+
+        rotations = self.rotations(methods)
+        records = []
+        path = None
+        for length in lengths:
+            for depth in depths:
+                for seed in seeds:
+                    trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed)
+                    rows = run_trial(self.model, self.tokenizer, trial, methods, rotations, max_new_tokens)
+                    records.extend(rows)
+                    hits = " ".join(f"{r['method']}={'Y' if r['hit'] else 'n'}" for r in rows)
+                    print(f"[{self.info['name']}] niah L={length} depth={depth} seed={seed} prefill "
+                          f"{rows[0]['prefill_seconds']} s: {hits}", flush=True)
+                # written after every (length, depth): a long run leaves partial results behind
+                meta = self.meta("niah", methods, {
+                    "data": {"source": f"pip:{assets.ESSAYS_PACKAGE} evaluation essays as haystack",
+                             "lengths": list(lengths), "depths": list(depths), "seeds": list(seeds),
+                             "max_new_tokens": max_new_tokens, "scoring": "first number of the greedy answer == key"},
+                    "calibration": self.calibration_meta(rotations),
+                    "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
+                                "with cache.update; question fed through the cache; greedy answer"})
+                path = self.write("niah", meta, records)
+        return path
+
+    def diagnostics(self, methods: dict[str, Method], sequences: int = 2, context: int = 1536, chunk: int = 128) -> Path:
+        from .diagnostics import layer_errors
+
+        rotations = self.rotations(methods)
+        seqs = token_sequences(self.tokenizer, self.eval_docs, context + chunk, sequences, offset=50000)
+        results = layer_errors(self.model, seqs, {k: v for k, v in methods.items() if k != "bf16"}, rotations,
+                               context=context, chunk=chunk)
+        meta = self.meta("diagnostics", methods, {"data": {"source": "evaluation essays", "sequences": sequences,
+                                                           "context": context, "chunk": chunk, "offset_tokens": 50000}})
+        return self.write("diagnostics", meta, results)
+
+
+def _slug(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, OscarConfig):
+        return obj.to_dict()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def select(methods: dict[str, Method], names: str | None) -> dict[str, Method]:
+    if not names:
+        return methods
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in methods]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; available: {', '.join(methods)}")
+    return {n: methods[n] for n in wanted}
+
+
+def run(args) -> int:
+    """Entry point of `oscar-hf eval STAGE` (argparse namespace from `add_eval_arguments`)."""
+    stages = STAGES[:-1] if args.stage == "all" else (args.stage,)
+    windows = Windows(args.sink, args.window, args.residual)
+    if args.stage == "lm-eval":
+        from .lm_eval_model import run_tasks
+
+        return run_tasks(args)
+    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
+                      args.calibration_length)
+    for stage in stages:
+        if stage == "ppl":
+            session.perplexity(select(main_methods(windows), args.methods), sequences=args.sequences,
+                               length=args.length, context=args.context, chunk=args.chunk)
+        elif stage == "ablations":
+            session.perplexity(select(ablation_methods(windows), args.ablations), stage="ablations",
+                               sequences=args.sequences, length=args.length, context=args.context, chunk=args.chunk)
+        elif stage == "diagnostics":
+            session.diagnostics(select(main_methods(windows), args.diagnostic_methods), sequences=args.diagnostic_sequences)
+        elif stage == "niah":
+            lengths = [int(x) for x in args.lengths.split(",")]
+            depths = [float(x) for x in args.depths.split(",")]
+            seeds = [int(x) for x in args.seeds.split(",")]
+            session.niah(select(main_methods(windows), args.methods), lengths, depths, seeds, args.max_new_tokens)
+    return 0
+
+
+def add_eval_arguments(parser) -> None:
+    """The `oscar-hf eval` arguments (also used by the scripts under eval/)."""
+    parser.add_argument("stage", choices=STAGES + ("all",), help="metric to run ('all' = every stage but lm-eval)")
+    parser.add_argument("--model", default="smollm2-135m", help=f"offline model ({', '.join(assets.OFFLINE_MODELS)}) or a folder")
+    parser.add_argument("--output", default="eval/results", help="results folder (one sub-folder per model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--methods", default=None, help="comma-separated subset of the main methods (default: all)")
+    parser.add_argument("--ablations", default=None, help="comma-separated subset of the ablations (default: all)")
+    parser.add_argument("--diagnostic-methods", default="oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4")
+    parser.add_argument("--diagnostic-sequences", type=int, default=2)
+    parser.add_argument("--sink", type=int, default=64)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--residual", type=int, default=128, help="KIVI / HF QuantizedCache full-precision residual")
+    parser.add_argument("--calibration-tokens", type=int, default=8192)
+    parser.add_argument("--calibration-length", type=int, default=2048, help="tokens per calibration sequence")
+    parser.add_argument("--sequences", type=int, default=3, help="perplexity: evaluation sequences")
+    parser.add_argument("--length", type=int, default=2048, help="perplexity: tokens per sequence")
+    parser.add_argument("--context", type=int, default=512, help="perplexity: tokens prefilled before scoring")
+    parser.add_argument("--chunk", type=int, default=128, help="perplexity: tokens per scored chunk")
+    parser.add_argument("--lengths", default="2048,4096,8000", help="NIAH: prompt lengths in tokens")
+    parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="NIAH: needle depths")
+    parser.add_argument("--seeds", default="0", help="NIAH: seeds")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tasks", default="oscar_bb_siqa", help="lm-eval: task names")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
+    parser.add_argument("--limit", type=int, default=None, help="lm-eval: documents per task")

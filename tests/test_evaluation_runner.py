@@ -1,0 +1,38 @@
+"""CI smoke of the harness: `oscar-hf eval` stages on a tiny model, then eval/make_results.py on their JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import char_tokenizer, tiny_model
+from oscar_hf.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_eval_stages_and_results_page(tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", attn="sdpa").save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    out = tmp_path / "results"
+    common = ["--model", str(model_dir), "--output", str(out), "--dtype", "float32", "--sink", "16", "--window", "32",
+              "--residual", "32", "--calibration-tokens", "512", "--calibration-length", "256"]
+    methods = "bf16,oscar,naive-int2,kivi2,naive-int4"
+    assert main(["eval", "ppl", *common, "--methods", methods, "--sequences", "1", "--length", "448",
+                 "--context", "256", "--chunk", "64"]) == 0
+    assert main(["eval", "niah", *common, "--methods", methods, "--lengths", "500", "--depths", "0.5",
+                 "--max-new-tokens", "3"]) == 0
+    assert main(["eval", "diagnostics", *common, "--diagnostic-methods", "naive-int2", "--diagnostic-sequences", "1"]) == 0
+    ppl = json.loads((out / "tiny" / "ppl.json").read_text())
+    assert set(ppl["results"]) == set(methods.split(","))
+    assert ppl["meta"]["data"]["scored_tokens"] == 448 - 256 - 1
+    assert ppl["meta"]["methods"]["oscar"]["oscar_config"]["sink_tokens"] == 16
+    assert ppl["results"]["naive-int2"]["bits"]["bits_per_element"] < ppl["results"]["bf16"]["bits"]["bits_per_element"]
+    niah = json.loads((out / "tiny" / "niah.json").read_text())
+    assert {r["method"] for r in niah["results"]} == set(methods.split(","))
+    page = tmp_path / "page"
+    subprocess.run([sys.executable, str(REPO / "eval" / "make_results.py"), "--results", str(out), "--output", str(page)],
+                   check=True, cwd=REPO)
+    text = (page / "RESULTS.md").read_text()
+    assert "## tiny" in text and "`naive-int2`" in text and (page / "plots" / "ppl_vs_method.png").is_file()
