@@ -486,8 +486,8 @@ def time_methods(model, caches: dict, batch, device, steps):
     return out
 
 
-def section_e2e(device, quick, methods=("bf16", "oscar", "hf_quantized")):
-    archs = ["qwen3-8b", "qwen3-4b"] if not quick else ["tiny"]
+def section_e2e(device, quick, archs=("qwen3-8b", "qwen3-4b"), methods=("bf16", "oscar", "hf_quantized")):
+    archs = list(archs) if not quick else ["tiny"]
     points = [(4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32), (100_000, 1), (100_000, 8), (100_000, 32)]
     if quick:
         points = [(600, 1), (600, 2)]
@@ -632,6 +632,7 @@ def main(argv=None):
     parser.add_argument("--sections", default="check,tune,micro,quant,memory,e2e,budget")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, also on the CPU)")
     parser.add_argument("--tuned", default=None, help="JSON of kernel launch parameters to use instead of tuning")
+    parser.add_argument("--archs", default="qwen3-8b,qwen3-4b", help="model architectures of the e2e section")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no new measurement starts")
     args = parser.parse_args(argv)
     global DEADLINE
@@ -643,6 +644,8 @@ def main(argv=None):
     path = out_dir / "bench_gpu.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results["environment"] = environment(device)
+    # a results file can be continued by later calls (a device call has a time limit): record each call
+    results.setdefault("runs", []).append(dict(call=len(results.get("runs", [])) + 1, command=results["environment"]["command"]))
     import oscar_hf.kernels  # noqa: F401
 
     if "copy_bandwidth" not in results:
@@ -667,7 +670,10 @@ def main(argv=None):
             elif name == "memory":
                 results["memory"] = section_memory(device, args.quick)
             elif name == "e2e":
-                results["e2e"] = section_e2e(device, args.quick)
+                archs = args.archs.split(",")
+                # rows of other architectures (an earlier call's, this file given back) are kept
+                kept = [r for r in results.get("e2e", []) if r["arch"] not in archs]
+                results["e2e"] = kept + section_e2e(device, args.quick, archs)
             elif name == "budget":
                 results["budget"] = section_budget(device, args.quick, results["memory"])
             else:

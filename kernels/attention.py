@@ -7,6 +7,7 @@ long prefill onto a filled cache) — with an online softmax, and writes its par
 The INT2 history is never dequantized into memory: a key row is k = c·s + m (codes c ∈ {0..3}, per-token scale s
 and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
 Σ_j p_j v_j = Σ_j (p_j s_j) c_j + Σ_j p_j m_j.
+Codes become fp16 operands by the magic-number trick (see `_plane`), not by int -> float conversions.
 Stage 2 (`_merge_kernel`) merges the splits by log-sum-exp (FlashInfer's merge_state), exactly.
 
 Masking: key positions are [sink | history | recent | extra] = [0, n_sink, n_sink+n_hist, ...]; query row r sits at
@@ -85,9 +86,12 @@ def _bf16_range(
 
 
 @triton.jit
-def _plane(codes, p: tl.constexpr, dtype: tl.constexpr):
-    # codes of quarter plane p as small exact numbers (via float32: the interpreter mis-converts int -> bf16)
-    return ((codes >> (2 * p)) & 3).to(tl.float32).to(dtype)
+def _plane(codes, p: tl.constexpr):
+    # Codes of quarter plane p as exact fp16 numbers without an int -> float conversion (a quarter-rate instruction
+    # that bounded the kernel): the code c or-ed into the mantissa of 1024.0 (0x6400) is the fp16 number 1024 + c;
+    # subtracting 1024 leaves c, exactly (LLVM pairs the subtractions into add.f16x2).
+    c = ((codes >> (2 * p)) & 3).to(tl.int16)
+    return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -115,10 +119,10 @@ def _int2_range(
         mrow = base_mk + idx * sm_t
         ks0 = tl.load(mrow, mask=ok, other=0.0).to(tl.float32)
         km0 = tl.load(mrow + sm_2, mask=ok, other=0.0).to(tl.float32)
-        s = _dot(q0, tl.trans(_plane(ck, 0, q0.dtype)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
+        s = _dot(q0, tl.trans(_plane(ck, 0)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
         if GROUPS == 1:
-            s += (_dot(q1, tl.trans(_plane(ck, 1, q0.dtype)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2, q0.dtype)), UPCAST)
-                  + _dot(q3, tl.trans(_plane(ck, 3, q0.dtype)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
+            s += (_dot(q1, tl.trans(_plane(ck, 1)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2)), UPCAST)
+                  + _dot(q3, tl.trans(_plane(ck, 3)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
         else:
             ks1 = tl.load(mrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
             km1 = tl.load(mrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
@@ -126,9 +130,9 @@ def _int2_range(
             km2 = tl.load(mrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
             ks3 = tl.load(mrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
             km3 = tl.load(mrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            s += _dot(q1, tl.trans(_plane(ck, 1, q0.dtype)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
-            s += _dot(q2, tl.trans(_plane(ck, 2, q0.dtype)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
-            s += _dot(q3, tl.trans(_plane(ck, 3, q0.dtype)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
+            s += _dot(q1, tl.trans(_plane(ck, 1)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
+            s += _dot(q2, tl.trans(_plane(ck, 2)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
+            s += _dot(q3, tl.trans(_plane(ck, 3)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
         kpos = pos_offset + idx
         valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_MASK:
@@ -142,10 +146,10 @@ def _int2_range(
         if GROUPS == 1:
             ps = (p * vs0[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
             bias = tl.sum(p * vm0[None, :], axis=1)[:, None]
-            acc0 += _dot(ps, _plane(cv, 0, tl.float16), UPCAST) + bias
-            acc1 += _dot(ps, _plane(cv, 1, tl.float16), UPCAST) + bias
-            acc2 += _dot(ps, _plane(cv, 2, tl.float16), UPCAST) + bias
-            acc3 += _dot(ps, _plane(cv, 3, tl.float16), UPCAST) + bias
+            acc0 += _dot(ps, _plane(cv, 0), UPCAST) + bias
+            acc1 += _dot(ps, _plane(cv, 1), UPCAST) + bias
+            acc2 += _dot(ps, _plane(cv, 2), UPCAST) + bias
+            acc3 += _dot(ps, _plane(cv, 3), UPCAST) + bias
         else:
             vs1 = tl.load(vrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
             vm1 = tl.load(vrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
@@ -153,10 +157,10 @@ def _int2_range(
             vm2 = tl.load(vrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
             vs3 = tl.load(vrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
             vm3 = tl.load(vrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            acc0 += _dot((p * vs0[None, :]).to(tl.float16), _plane(cv, 0, tl.float16), UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
-            acc1 += _dot((p * vs1[None, :]).to(tl.float16), _plane(cv, 1, tl.float16), UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None]
-            acc2 += _dot((p * vs2[None, :]).to(tl.float16), _plane(cv, 2, tl.float16), UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None]
-            acc3 += _dot((p * vs3[None, :]).to(tl.float16), _plane(cv, 3, tl.float16), UPCAST) + tl.sum(p * vm3[None, :], axis=1)[:, None]
+            acc0 += _dot((p * vs0[None, :]).to(tl.float16), _plane(cv, 0), UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
+            acc1 += _dot((p * vs1[None, :]).to(tl.float16), _plane(cv, 1), UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None]
+            acc2 += _dot((p * vs2[None, :]).to(tl.float16), _plane(cv, 2), UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None]
+            acc3 += _dot((p * vs3[None, :]).to(tl.float16), _plane(cv, 3), UPCAST) + tl.sum(p * vm3[None, :], axis=1)[:, None]
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
@@ -212,14 +216,20 @@ def _segment_attention_kernel(
     elif split < recent_split:
         lo = (split - 1) * hist_chunk
         hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
-        qs0 = tl.sum(q0.to(tl.float32), axis=1)
-        qs1 = tl.sum(q1.to(tl.float32), axis=1)
-        qs2 = tl.sum(q2.to(tl.float32), axis=1)
-        qs3 = tl.sum(q3.to(tl.float32), axis=1)
+        # The codes are fp16 (see _plane), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
+        # scale keeps |q| far from fp16's range limit).
+        h0 = (q0.to(tl.float32) * scale).to(tl.float16)
+        h1 = (q1.to(tl.float32) * scale).to(tl.float16)
+        h2 = (q2.to(tl.float32) * scale).to(tl.float16)
+        h3 = (q3.to(tl.float32) * scale).to(tl.float16)
+        qs0 = tl.sum(h0.to(tl.float32), axis=1)
+        qs1 = tl.sum(h1.to(tl.float32), axis=1)
+        qs2 = tl.sum(h2.to(tl.float32), axis=1)
+        qs3 = tl.sum(h3.to(tl.float32), axis=1)
         m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
-            q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+            h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
             codes_k, codes_v, sc_b, sc_h, sc_t, sc_d, meta_k, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
-            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, scale, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST)
+            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST)
     elif split == recent_split:
         offset = n_sink + n_hist
         hi = tl.minimum(n_recent, max_qpos + 1 - offset)

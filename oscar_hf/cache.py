@@ -184,7 +184,30 @@ def claim_layer(key: torch.Tensor) -> "OscarLayer | None":
     return pending[0]
 
 
-class OscarLayer(CacheLayerMixin):
+class BatchOpsMixin:
+    """Beam reordering and batch selection for a cache layer whose state is several tensors, through `_map_batch`
+    (transformers' own layers reorder only `keys`/`values`; a quantized layer must move every segment)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):
+        raise RuntimeError(f"{type(self).__name__} does not support CPU offloading: the cache is already compressed")
+
+    def prefetch(self):
+        raise RuntimeError(f"{type(self).__name__} does not support CPU offloading")
+
+
+class OscarLayer(BatchOpsMixin, CacheLayerMixin):
     """The cache of one full-attention layer: BF16 sink | quantized history | BF16 recent window, all rotated.
 
     Args:
@@ -333,24 +356,6 @@ class OscarLayer(CacheLayerMixin):
         remove -= take
         self.n_sink -= remove
         self._demote_overflow()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
-
-    def offload(self):
-        raise RuntimeError("OscarCache does not support CPU offloading: its history is already ~7x smaller than BF16")
-
-    def prefetch(self):
-        raise RuntimeError("OscarCache does not support CPU offloading")
 
     # ------------------------------------------------------------------ segments
     def _append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from ..cache import BatchOpsMixin
 from ..models import model_geometry
 from ..quant import QuantizedRows, dequantize_rows, quantize_rows
 
@@ -63,7 +64,7 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
 
 
-class KiviLayer(CacheLayerMixin):
+class KiviLayer(BatchOpsMixin, CacheLayerMixin):
     """KIVI storage of one full-attention layer.
 
     State (B batch, H KV heads, d head_dim, G group_size):
@@ -189,24 +190,6 @@ class KiviLayer(CacheLayerMixin):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
-
-    def offload(self):
-        raise RuntimeError("KiviCache does not support CPU offloading")
-
-    def prefetch(self):
-        raise RuntimeError("KiviCache does not support CPU offloading")
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> dict[str, int]:
