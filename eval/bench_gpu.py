@@ -252,7 +252,7 @@ def section_tune(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
 
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
-    grid = [(bn, nw, ns, tp) for bn in (32, 64, 128) for nw in (2, 4) for ns in (1, 2) for tp in (2, 4, 8)]
+    grid = [(bn, nw, ns, tp) for bn in (64, 128) for nw in (2, 4, 8) for ns in (1, 2) for tp in (2, 3, 4, 6, 8, 12)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -486,6 +486,12 @@ def time_methods(model, caches: dict, batch, device, steps):
     return out
 
 
+def _default_launch() -> dict:
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH
+
+    return dict(DEFAULT_LAUNCH)
+
+
 def section_e2e(device, quick, archs=("qwen3-8b", "qwen3-4b"), methods=("bf16", "oscar", "hf_quantized")):
     archs = list(archs) if not quick else ["tiny"]
     points = [(4096, 1), (4096, 8), (4096, 32), (32768, 1), (32768, 8), (32768, 32), (100_000, 1), (100_000, 8), (100_000, 32)]
@@ -526,7 +532,7 @@ def section_e2e(device, quick, archs=("qwen3-8b", "qwen3-4b"), methods=("bf16", 
                 skipped["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 log(traceback.format_exc()[-1500:])
             free()
-            row = dict(arch=arch, length=length, batch=batch, interleaved=together, skipped=skipped, **{
+            row = dict(arch=arch, length=length, batch=batch, interleaved=together, skipped=skipped, launch=_default_launch(), **{
                 f"{m}_{k}": v for m, r in result.items() for k, v in r.items()})
             for m in result:
                 row[f"{m}_tokens_per_s"] = batch / (result[m]["wall_ms"] / 1000)

@@ -1,7 +1,9 @@
 """Compiles every variant of the Triton kernels for an sm_90 target without a GPU, and reports registers, spills and
 shared memory from ptxas: catches compile errors and spills before spending device time.
 
-    python eval/compile_kernels.py
+    python eval/compile_kernels.py          # every variant (generic integer arguments)
+    python eval/compile_kernels.py --sass   # the decode kernel as a real launch specializes it: registers and
+                                            # the SASS instruction mix of each loop (the no-GPU profile)
 """
 
 from __future__ import annotations
@@ -9,10 +11,14 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 
+import collections
+
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -40,17 +46,89 @@ def signature(fn, constexprs, qtype):
     return sig
 
 
-def ptxas_report(kernel) -> str:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def _ptxas() -> str:
+    return shutil.which("ptxas") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def _ptx_for_local_ptxas(ptx: str) -> str:
+    # Triton's LLVM may emit a newer PTX ISA version than the local ptxas knows; the kernels use nothing newer than 8.7
+    return re.sub(r"^\.version \d+\.\d+", ".version 8.7", ptx, flags=re.M)
+
+
+def ptxas_report(kernel, cubin: str = os.devnull) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+        f.write(_ptx_for_local_ptxas(kernel.asm["ptx"]))
+    out = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", cubin], capture_output=True, text=True)
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spill = re.search(r"(\d+) bytes spill stores", out.stderr)
     return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
 
 
+def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16) -> None:
+    """Compiles the decode kernel exactly as `segment_attention_triton` would launch it for this shape (Triton's own
+    specialization of each argument: integers equal to 1 become constants, multiples of 16 are marked divisible) and
+    prints registers, spills and the SASS instruction mix of each loop."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    launches = []
+
+    class Capture:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.fn, grid, args, kw))
+
+    kernel, merge = attention._segment_attention_kernel, attention._merge_kernel
+    attention._segment_attention_kernel, attention._merge_kernel = Capture(kernel), Capture(merge)
+    try:
+        q = torch.zeros(batch, kv_heads, gqa, head_dim, dtype=dtype)
+        bf = torch.zeros(batch, kv_heads, 256, head_dim, dtype=dtype)
+        codes = torch.zeros(batch, kv_heads, length, head_dim // 4, dtype=torch.uint8)
+        meta = torch.zeros(batch, kv_heads, length, 1, 2, dtype=torch.float16)
+        extra = bf[:, :, :0]
+        attention.segment_attention_triton(q, bf, bf, codes, meta, codes, meta, bf, bf, extra, extra, None,
+                                           64, length, 256, 0, 1, length + 320, head_dim ** -0.5)
+    finally:
+        attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
+    fn, grid, args, kw = launches[0]
+    params = list(inspect.signature(fn.fn).parameters)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(params):
+        if i >= len(args):
+            sig[name], constexprs[name] = "constexpr", kw[name]
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        if kind == "constexpr":
+            sig[name], constexprs[name] = "constexpr", spec
+        else:
+            sig[name] = kind
+            if spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: kw[k] for k in ("num_warps", "num_stages")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} {options}: "
+              f"{ptxas_report(k, cubin)}")
+        cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    for address, ins in lines:
+        target = re.search(r"BRA .*?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
+            body = [i for a, i in lines if int(target.group(1), 16) <= a <= address]
+            mix = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", i).group(1) for i in body)
+            kind = "INT2 history" if mix.get("HADD2") else "BF16 segment"
+            print(f"  loop ({kind}): {len(body)} instructions per tile per thread: "
+                  + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+
+
 def main():
+    if "--sass" in sys.argv:
+        sass_profile()
+        return 0
     failures = 0
     variants = [(d, g, 16, 64, "bf16", False) for d in (64, 128, 256) for g in (1, 2, 4)]
     variants += [(128, 1, 16, bn, "bf16", False) for bn in (32, 128)] + [(256, 1, 16, 64, "bf16", False)]

@@ -34,7 +34,7 @@ def micro_table(rows, copy_bw):
 
 def e2e_table(rows):
     lines = ["| model | context | batch | BF16 Dynamic: wall ms / GPU ms | OSCAR: wall ms / GPU ms | HF QuantizedCache (HQQ 2-bit): "
-             "wall ms / GPU ms | OSCAR vs BF16 (wall, GPU) | OSCAR vs QuantizedCache (wall, GPU) | not run |",
+             "wall ms / GPU ms | OSCAR vs BF16 (wall, GPU) | OSCAR vs QuantizedCache (wall, GPU) | not run / notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def cell(m):
@@ -47,7 +47,7 @@ def e2e_table(rows):
                 return "–"
             return f"{fmt(r[f'oscar_speedup_vs_{m}_wall'], 2)}×, {fmt(r[f'oscar_speedup_vs_{m}_gpu'], 2)}×"
 
-        skipped = "; ".join(f"{k}: {v}" for k, v in r.get("skipped", {}).items())
+        skipped = "; ".join([f"{k}: {v}" for k, v in r.get("skipped", {}).items()] + ([r["note"]] if r.get("note") else []))
         lines.append(f"| {r['arch']} | {r['length']:,} | {r['batch']} | {cell('bf16')} | {cell('oscar')} | {cell('hf_quantized')} | "
                      f"{ratio('bf16')} | {ratio('hf_quantized')} | {skipped} |")
     return "\n".join(lines)
@@ -226,8 +226,9 @@ def main(argv=None):
                 md.append(f"| {c['kind']} | {c.get('statistics_devices')} | – | – | {c['passed']} |")
     if "tune" in res:
         b = res["tune"]["best"]
-        md += ["", f"Kernel launch parameters chosen by the sweep: BLOCK_N={b['block_n']}, num_warps={b['num_warps']}, "
-               f"num_stages={b['num_stages']}, {b['programs_per_sm']} programs per SM ({len(res['tune']['sweep'])} timings)."]
+        md += ["", f"Best launch parameters of the sweep (geometric mean over its points): BLOCK_N={b['block_n']}, num_warps={b['num_warps']}, "
+               f"num_stages={b['num_stages']}, {b['programs_per_sm']} programs per SM ({len(res['tune']['sweep'])} timings)."
+               + (f" Note: {res['tune']['note']}." if res["tune"].get("note") else "")]
     if res.get("micro"):
         md += ["", "## Decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128)", "",
                "OSCAR kernel = split-K stage + log-sum-exp merge; OSCAR layer = q·R_K + kernel + o·R_Vᵀ; bytes = packed "

@@ -292,7 +292,7 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
 
 _SMS: dict = {}
 # Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md).
-DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_stages=1, programs_per_sm=4)
+DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_stages=1, programs_per_sm=12)
 
 
 def _sm_count(device: torch.device) -> int:
