@@ -32,7 +32,9 @@ def fmt(x, digits=2):
 
 
 def models() -> list[str]:
-    found = [p.name for p in RESULTS.iterdir() if p.is_dir()] if RESULTS.is_dir() else []
+    stages = ("ppl", "niah", "ablations", "diagnostics", "lm_eval", "centering_ppl")
+    found = [p.name for p in RESULTS.iterdir() if p.is_dir() and any((p / f"{s}.json").is_file() for s in stages)] \
+        if RESULTS.is_dir() else []  # model folders only (not e.g. results/gpu)
     return [m for m in MODEL_ORDER if m in found] + sorted(m for m in found if m not in MODEL_ORDER)
 
 
@@ -395,8 +397,11 @@ def centering_section() -> list[str]:
     for model, (ppl, _) in runs.items():
         meta = ppl["meta"]
         d = meta["data"]
+        main = (load(model, "ppl") or {}).get("results", {}).get("oscar")
+        rerun = (f" `oscar` is rerun here (calibrated afresh); the main table's run gave {fmt(main['perplexity'])}."
+                 if main else "")
         out.append(f"- {model}: {d['sequences']} × {d['sequence_length']} tokens, context {d['context']}, chunks of "
-                   f"{d['chunk']} ({d['scored_tokens']} scored tokens). Provenance: {provenance(meta)}")
+                   f"{d['chunk']} ({d['scored_tokens']} scored tokens).{rerun} Provenance: {provenance(meta)}")
     return out + [""]
 
 
