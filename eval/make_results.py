@@ -32,7 +32,9 @@ def fmt(x, digits=2):
 
 
 def models() -> list[str]:
-    found = [p.name for p in RESULTS.iterdir() if p.is_dir()] if RESULTS.is_dir() else []
+    stages = ("ppl", "niah", "ablations", "diagnostics", "lm_eval", "centering_ppl")
+    found = [p.name for p in RESULTS.iterdir() if p.is_dir() and any((p / f"{s}.json").is_file() for s in stages)] \
+        if RESULTS.is_dir() else []  # model folders only (not e.g. results/gpu)
     return [m for m in MODEL_ORDER if m in found] + sorted(m for m in found if m not in MODEL_ORDER)
 
 
@@ -343,6 +345,66 @@ def paper_comparison(ablations: dict | None, all_ppl: dict) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------------------ key centering
+CENTERING = ["bf16", "oscar", "oscar_centered", "kivi2"]
+
+
+def centering_section() -> list[str]:
+    """The key-centering experiment (`oscar-hf eval centering`): PPL table and key-mean diagnostic, all models."""
+    runs = {m: (load(m, "centering_ppl"), load(m, "centering_keys")) for m in models()}
+    runs = {m: r for m, r in runs.items() if r[0]}
+    if not runs:
+        return []
+    out = ["## Experiment: key centering (`oscar_centered`)", "",
+           "`oscar_centered` subtracts μ, the per-(layer, KV head) mean of the post-RoPE keys over the calibration "
+           "tokens, from every key before the cache stores it (sink, INT2 history, recent window, current chunk), "
+           "before the rotation: q·(k − μ) = q·k − q·μ shifts each query's scores by one constant, which softmax "
+           "ignores, so only the quantization changes. Rotations are OSCAR's (the key rotation comes from the queries); "
+           "the clips are refitted on the same held-out tokens with centered keys. μ (d values per layer and KV head) "
+           "is a model constant like the rotations and is not counted in bits/elem. Code: "
+           "`oscar_hf/evaluation/centering.py`.", "",
+           "| method | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for name in CENTERING:
+        cells = []
+        for ppl, _ in runs.values():
+            r = ppl["results"].get(name)
+            cells.append(f"{fmt(r['perplexity'])} ({fmt(r['bits']['bits_per_element'], 2)} b)" if r else "–")
+        out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    out += ["", "(PPL through the cache, same protocol as the main table; in brackets the bits per element stored at "
+            "the end of the 2048-token sequences.)", "",
+            "Key-mean diagnostic over the calibration tokens, per full-attention layer and KV head (median / max over "
+            "them): share of the keys' energy in their mean, ‖μ‖² / E‖k‖², and the token-wise INT2 key error after "
+            "OSCAR's rotation, Σ‖Q(x·R) − x·R‖² / Σ‖k‖², with x = k (plain) or x = k − μ (centered), without clip "
+            "and with the fitted clips (OSCAR's for plain, refitted for centered).", "",
+            "| model | ‖μ‖²/E‖k‖² | INT2 err, no clip: plain | centered | INT2 err, fitted clip: plain | centered "
+            "| mean key clip: plain → centered |", "|---|---|---|---|---|---|---|"]
+    for model, (ppl, keys) in runs.items():
+        if not keys or "oscar_centered" not in keys["results"]:
+            continue
+        d = keys["results"]["oscar_centered"]
+        s, layers = d["summary"], d["layers"].values()
+
+        def mm(name):
+            return f"{fmt(s[name]['median'], 3)} / {fmt(s[name]['max'], 3)}" if name in s else "–"
+
+        clips = [(r["key_clip"], r["key_clip_centered"]) for r in layers if "key_clip" in r]
+        clip = (f"{fmt(sum(c[0] for c in clips) / len(clips))} → {fmt(sum(c[1] for c in clips) / len(clips))}"
+                if clips else "–")
+        out.append(f"| {model} | {mm('mean_energy_ratio')} | {mm('int2_error_noclip')} | "
+                   f"{mm('int2_error_noclip_centered')} | {mm('int2_error_fitted')} | "
+                   f"{mm('int2_error_fitted_centered')} | {clip} |")
+    out.append("")
+    for model, (ppl, _) in runs.items():
+        meta = ppl["meta"]
+        d = meta["data"]
+        main = (load(model, "ppl") or {}).get("results", {}).get("oscar")
+        rerun = (f" `oscar` is rerun here (calibrated afresh); the main table's run gave {fmt(main['perplexity'])}."
+                 if main else "")
+        out.append(f"- {model}: {d['sequences']} × {d['sequence_length']} tokens, context {d['context']}, chunks of "
+                   f"{d['chunk']} ({d['scored_tokens']} scored tokens).{rerun} Provenance: {provenance(meta)}")
+    return out + [""]
+
+
 def main(argv=None) -> None:
     import argparse
 
@@ -396,7 +458,7 @@ def main(argv=None) -> None:
             summary.append(f"| `{name}` | " + " | ".join(cells) + " |")
     summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences.)", ""]
     notes = notes_path.read_text().splitlines() if notes_path.is_file() else []
-    text = head + summary + body + closing_note(all_ppl, all_niah, ablations) + paper_comparison(ablations, all_ppl) + notes
+    text = head + summary + body + centering_section() + closing_note(all_ppl, all_niah, ablations) + paper_comparison(ablations, all_ppl) + notes
     (EVAL / "RESULTS.md").write_text("\n".join(text) + "\n")
     print(f"wrote {EVAL / 'RESULTS.md'}")
 

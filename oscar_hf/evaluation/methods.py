@@ -15,6 +15,7 @@ Every method is a `transformers.Cache` usable in `generate()`:
 | oscar-s32w64      | OSCAR with a 32-token sink and a 64-token window (matched bits against KIVI)               |
 | hf-hqq-int2       | transformers' `QuantizedCache(backend="hqq", nbits=2)` (per-token groups of 64, residual 128) |
 | naive-int4        | `OscarCache` with identity rotations, no clip, 4 bits: the INT4 reference point            |
+| oscar_centered    | OSCAR with the calibrated key mean subtracted before storage (`centering.py`; experiment)   |
 
 All OSCAR-family methods share the sink/window (64/256 by default) so that their differences are the rotation and
 clip only; KIVI and the HF cache use their own full-precision residual (128 by default). The window sizes can be
@@ -72,6 +73,8 @@ class Method:
         oscar: the `OscarConfig` (oscar family; for "calibrated" it is also the calibration config).
         kivi: the `KiviConfig` (kivi family).
         hf: `QuantizedCache` keyword arguments (hf-quantized family).
+        center_keys: oscar family: subtract the calibrated per-(layer, KV head) key mean before storing keys
+            (`centering.CenteredOscarCache`; the calibrated rotations must carry `key_means`, see `fit_centering`).
     """
 
     name: str
@@ -81,6 +84,7 @@ class Method:
     oscar: OscarConfig | None = None
     kivi: KiviConfig | None = None
     hf: dict[str, Any] = field(default_factory=dict)
+    center_keys: bool = False
 
     @property
     def needs_calibration(self) -> bool:
@@ -99,6 +103,10 @@ class Method:
                     )
             else:
                 rotations = _data_free(model, self.rotations)
+            if self.center_keys:
+                from .centering import CenteredOscarCache
+
+                return CenteredOscarCache(model, rotations, self.oscar)
             return OscarCache(model, rotations, self.oscar)
         if self.family == "kivi":
             return KiviCache(model, self.kivi)
@@ -116,6 +124,8 @@ class Method:
             out["kivi_config"] = self.kivi.__dict__.copy()
         if self.hf:
             out["hf_quantized_cache"] = dict(self.hf)
+        if self.center_keys:
+            out["center_keys"] = True
         return out
 
 
@@ -197,9 +207,15 @@ def ablation_methods(windows: Windows = Windows()) -> dict[str, Method]:
     return {name: Method(name, label, "oscar", rot, cfg) for name, label, cfg, rot in rows}
 
 
+def centering_methods(windows: Windows = Windows()) -> dict[str, Method]:
+    """The key-centering experiment (`oscar-hf eval centering`): OSCAR with the calibrated key mean subtracted."""
+    return {"oscar_centered": Method("oscar_centered", "OSCAR INT2, keys centered by their calibrated mean", "oscar",
+                                     "calibrated", oscar_config(windows), center_keys=True)}
+
+
 def all_methods(windows: Windows = Windows()) -> dict[str, Method]:
     methods = dict(main_methods(windows))
-    for name, m in ablation_methods(windows).items():
+    for name, m in {**ablation_methods(windows), **centering_methods(windows)}.items():
         methods.setdefault(name, m)
     return methods
 
@@ -379,6 +395,6 @@ def head_dim_of(model) -> int:
 
 
 __all__ = [
-    "Method", "Windows", "main_methods", "ablation_methods", "all_methods", "get_method", "RotationStore",
+    "Method", "Windows", "main_methods", "ablation_methods", "centering_methods", "all_methods", "get_method", "RotationStore",
     "cache_bits", "nominal_history_bits", "hf_quantized_cache", "fill_from_prefill", "head_dim_of",
 ]

@@ -10,6 +10,8 @@ Stages (each writes `<output>/<model>/<stage>.json`):
 - niah:        needle-in-a-haystack (`niah.py`), lengths × depths × seeds, main methods.
 - diagnostics: per-layer attention KL / output errors vs BF16 (`diagnostics.py`).
 - lm-eval:     offline lm-eval tasks through `OscarLM` (`lm_eval_model.py`).
+- centering:   the key-centering experiment (`centering.py`, not part of `all`): the key-mean diagnostic
+               (`centering_keys.json`) and perplexity for bf16 / oscar / oscar_centered / kivi2 (`centering_ppl.json`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from ..config import OscarConfig
 from ..data import token_sequences
 from ..metrics import perplexity
 from ..rotations_io import OscarRotations
-from .methods import Method, RotationStore, Windows, ablation_methods, cache_bits, calibration_key, head_dim_of, main_methods, nominal_history_bits
+from .methods import Method, RotationStore, Windows, ablation_methods, cache_bits, calibration_key, centering_methods, head_dim_of, main_methods, nominal_history_bits
 
 STAGES = ("ppl", "ablations", "diagnostics", "niah", "lm-eval")
+EXPERIMENTS = ("centering",)  # stages outside `all`
+CENTERING_METHODS = "bf16,oscar,oscar_centered,kivi2"
 
 
 def versions() -> dict:
@@ -93,6 +97,7 @@ class Session:
                                    calibration_sequence_length=calibration_length)
         self.rotation_dir = self.output / "rotations"
         self.eval_docs = list(assets.essay_split("eval").values())
+        self.centered: dict[str, tuple[OscarRotations, dict]] = {}  # calibration key -> (centered rotations, diagnostic)
 
     # ------------------------------------------------------------------ rotations
     def rotations(self, methods: dict[str, Method]) -> dict[str, OscarRotations]:
@@ -109,6 +114,13 @@ class Session:
             rotations = self.store.rotations_for(method)
             if not (folder / "oscar_rotations.json").is_file():
                 rotations.save_pretrained(folder)
+            if method.center_keys:
+                from .centering import fit_centering
+
+                key = calibration_key(config)
+                if key not in self.centered:
+                    self.centered[key] = fit_centering(self.model, self.tokenizer, rotations, config, self.store.data)
+                rotations = self.centered[key][0]
             out[name] = rotations
         return out
 
@@ -193,6 +205,16 @@ class Session:
                 path = self.write("niah", meta, records)
         return path
 
+    def centering(self, methods: dict[str, Method], **ppl) -> Path:
+        """The key-centering experiment: perplexity (`centering_ppl.json`) and key diagnostic (`centering_keys.json`)."""
+        path = self.perplexity(methods, stage="centering_ppl", **ppl)
+        rotations = self.rotations(methods)
+        diagnostics = {name: self.centered[calibration_key(self.store.calibration_config(m.oscar))][1]
+                       for name, m in methods.items() if m.center_keys}
+        meta = self.meta("centering_keys", methods, {"calibration": self.calibration_meta(rotations)})
+        self.write("centering_keys", meta, diagnostics)
+        return path
+
     def diagnostics(self, methods: dict[str, Method], sequences: int = 2, context: int = 1536, chunk: int = 128) -> Path:
         from .diagnostics import layer_errors
 
@@ -255,12 +277,17 @@ def run(args) -> int:
             depths = [float(x) for x in args.depths.split(",")]
             seeds = [int(x) for x in args.seeds.split(",")]
             session.niah(select(main_methods(windows), args.methods), lengths, depths, seeds, args.max_new_tokens)
+        elif stage == "centering":
+            session.centering(select({**main_methods(windows), **centering_methods(windows)},
+                                     args.methods or CENTERING_METHODS),
+                              sequences=args.sequences, length=args.length, context=args.context, chunk=args.chunk)
     return 0
 
 
 def add_eval_arguments(parser) -> None:
     """The `oscar-hf eval` arguments (also used by the scripts under eval/)."""
-    parser.add_argument("stage", choices=STAGES + ("all",), help="metric to run ('all' = every stage but lm-eval)")
+    parser.add_argument("stage", choices=STAGES + EXPERIMENTS + ("all",),
+                        help="metric to run ('all' = every stage but lm-eval and the experiments)")
     parser.add_argument("--model", default="smollm2-135m", help=f"offline model ({', '.join(assets.OFFLINE_MODELS)}) or a folder")
     parser.add_argument("--output", default="eval/results", help="results folder (one sub-folder per model)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
