@@ -133,7 +133,9 @@ _DATA_FREE: dict[tuple, OscarRotations] = {}
 
 
 def _data_free(model, kind: str) -> OscarRotations:
-    key = (id(model), kind)
+    # Keyed by the model's geometry, not id(model): ids are reused once a model is freed, and a stale entry would be
+    # another model's rotations.
+    key = (model_geometry(model.config), kind)
     if key not in _DATA_FREE:
         _DATA_FREE[key] = OscarRotations.data_free(model, kind)
     return _DATA_FREE[key]
