@@ -281,6 +281,19 @@ def best_ratio(errors: dict[float, float]) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- entry point
+def calibration_sequences(tokenizer, config: OscarConfig, data=None):
+    """The calibration sequences and the held-out sequence (after them, disjoint): `(sequences, heldout, data_info)`."""
+    documents, data_info = load_texts(data)
+    seq_len = config.calibration_sequence_length
+    n_seq = math.ceil(config.calibration_tokens / seq_len)
+    sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
+    heldout = []
+    if config.heldout_tokens:
+        offset = n_seq * (seq_len - len(sequence_prefix(tokenizer)))
+        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=offset)
+    return sequences, heldout, data_info
+
+
 @dataclass
 class CalibrationReport:
     seconds: float
@@ -331,17 +344,12 @@ def calibrate(
             f"({config.sink_tokens + config.window_tokens}) for the clip fit to see quantized history"
         )
     start = time.perf_counter()
-    documents, data_info = load_texts(data)
     seq_len = config.calibration_sequence_length
     max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"OscarConfig.calibration_sequence_length {seq_len} exceeds the model's {max_positions} positions")
-    n_seq = math.ceil(config.calibration_tokens / seq_len)
-    sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
+    sequences, heldout, data_info = calibration_sequences(tokenizer, config, data)
     used_tokens = sum(len(s) for s in sequences)
-    heldout = []
-    if config.heldout_tokens:
-        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=n_seq * (seq_len - len(sequence_prefix(tokenizer))))
 
     collector = StatisticsCollector(geometry)
     was_training = model.training
@@ -407,7 +415,6 @@ def calibrate(
             "key_target": config.key_target,
             "value_target": config.value_target,
             "per_head": config.per_head,
-            "center_keys": config.center_keys,
             "composition": "U·H·P" if config.use_hadamard and config.use_permutation else
             "U" + ("·H" if config.use_hadamard else "") + ("·P" if config.use_permutation else ""),
         },
