@@ -9,6 +9,10 @@ sdpa/eager attention gives the same result (slowly, like transformers' Quantized
 
 Semantics shared by both paths: the tokens of the current forward pass attend to each other exactly (full precision,
 as a BF16 prefill would) and to earlier tokens as the cache stores them.
+
+Key centering (`OscarConfig.center_keys`, rotations carrying `key_means`): `OscarLayer.update` subtracts the
+calibrated key mean μ from the incoming keys before anything else, so every segment (and the current chunk handed to
+attention, on either path) holds k − μ. Attention is unchanged: softmax ignores the per-query shift q·μ.
 """
 
 from __future__ import annotations
@@ -215,6 +219,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         key_clip, value_clip: clip ratios applied to rows before quantization (1.0 = none).
         config: the `OscarConfig` (bits, group size, sink, window, demotion block, scale dtype).
         max_cache_len: if given, the history is allocated for that many tokens up front (no regrowth).
+        key_mean: `[H, d]` key mean subtracted from every incoming key before storage (key centering), or None.
     """
 
     is_compileable = False
@@ -229,8 +234,16 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         value_clip: float,
         config: OscarConfig,
         max_cache_len: int | None = None,
+        key_mean: torch.Tensor | None = None,
     ):
         super().__init__()
+        if key_mean is not None and tuple(key_mean.shape) != tuple(key_rotation.shape[:2]):
+            raise ValueError(
+                f"OscarLayer: key_mean has shape {tuple(key_mean.shape)}, expected {tuple(key_rotation.shape[:2])} "
+                "(num_key_value_heads, head_dim)"
+            )
+        self._key_mean_master = key_mean
+        self.key_mean = None  # [1, H, 1, d] float32 on the model's device, set at lazy initialization
         self.config = config
         self.key_clip, self.value_clip = float(key_clip), float(value_clip)
         self._key_rotation_master = key_rotation
@@ -263,6 +276,8 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.key_rotation = self._key_rotation_master.to(self.device, self.dtype)
         self.value_rotation = self._value_rotation_master.to(self.device, self.dtype)
+        if self._key_mean_master is not None:
+            self.key_mean = self._key_mean_master.to(self.device, torch.float32)[None, :, None, :]
         cfg = self.config
         self.sink_keys = key_states.new_empty(batch, heads, cfg.sink_tokens, d)
         self.sink_values = value_states.new_empty(batch, heads, cfg.sink_tokens, d)
@@ -284,10 +299,14 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
 
         fused=True (attention "oscar"): returns the new states as they are and leaves a `LayerView` for the
         attention function. fused=False (any other attention): returns the full history dequantized and un-rotated, followed by
-        the exact new states, `[B, H, past + n, d]`.
+        the exact new states, `[B, H, past + n, d]`. With a key mean, the keys are centered (k − μ) first, the only
+        place where centering happens; the returned keys are centered too (same attention, by softmax invariance).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.key_mean is not None:
+            # Subtract in float32, then back to the model dtype (one rounding of the centered key).
+            key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
         # Checked on every prefill, and on every step on the CPU; on a GPU a per-token check would cost a sync.
         if (key_states.shape[2] > 1 or key_states.device.type == "cpu") and not (
             torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
@@ -463,7 +482,8 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         return view
 
     def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All stored tokens as rotated dense tensors `[B, H, seq_len, d]` (history dequantized), for inspection."""
+        """All stored tokens as rotated dense tensors `[B, H, seq_len, d]` (history dequantized), for inspection
+        (with key centering the keys are (k − μ)·R)."""
         return self.dequantized_past(self._segments(self.get_seq_length()))
 
     def dequantized_past(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,6 +528,10 @@ class OscarCache(Cache):
 
     Sliding-window layers (e.g. Gemma 3's local layers) keep transformers' bounded BF16 window.
 
+    Key centering: when `rotations` carry key means (calibrated with `OscarConfig(center_keys=True)`), the OSCAR
+    layers subtract them from the keys before storing them; `config.center_keys=True` with rotations that carry no
+    means is an error.
+
     Args:
         model: the model (or its config) the cache is for; rotations are validated against it.
         rotations: calibrated `OscarRotations` (or `OscarRotations.data_free(...)` for baselines).
@@ -530,6 +554,11 @@ class OscarCache(Cache):
         geometry = rotations.validate_for(model_config)
         config = config or OscarConfig()
         config.check_head_dim(geometry.head_dim)
+        if config.center_keys and not rotations.center_keys:
+            raise ValueError(
+                "OscarConfig.center_keys is True but the rotations carry no key means: calibrate with "
+                "OscarConfig(center_keys=True) (or `oscar-hf calibrate --center-keys`), or set center_keys=False"
+            )
         self._text_config = text_config(model_config)
         self.oscar_config = config
         self.rotations = rotations
@@ -545,6 +574,7 @@ class OscarCache(Cache):
                         config.clip_ratio("value", rotations.value_clip(i)),
                         config,
                         max_cache_len,
+                        key_mean=rotations.key_mean(i),
                     )
                 )
             else:

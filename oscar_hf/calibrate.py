@@ -10,11 +10,12 @@
                   blocks (never an N×N matrix)                                   (the paper's VᵀSᵀSV, OSCAR)
      - logit:     Σ_j w_j v_j v_jᵀ, w_j = k_jᵀ C_q k_j with C_q the same sequence's query second moment, normalised to
                   mean 1 (the reference code's weighting; it uses C_q over all tokens, which needs two passes)
+     - Σ k, `[H_kv, d]`: the key mean μ (`OscarConfig.center_keys`; accumulated always, it costs nothing)
 2. Rotations: eigenvectors of the chosen targets, composed with H and P (`rotation.build_rotation`), per KV head or
    shared per layer.
 3. Clips: on held-out tokens (never used in step 1), per layer, the ratio in `clip_grid` that minimises the
    attention-output error when the keys (resp. values) outside the sink and recent window are clipped and quantized,
-   exactly as the cache will store them.
+   exactly as the cache will store them (with `center_keys`, the held-out keys are centered by μ first).
 """
 
 from __future__ import annotations
@@ -51,11 +52,18 @@ class LayerStatistics:
     sums: dict[str, torch.Tensor]
     tokens: int = 0  # key/value tokens seen
     query_rows: int = 0  # query vectors seen per KV head (tokens × group size)
+    key_sum: torch.Tensor | None = None  # Σ k `[H, d]` float64
 
     def target(self, name: str) -> torch.Tensor:
         """The normalised second-moment target `[H, d, d]` (float64, on the CPU)."""
         count = self.query_rows if name == "query" else self.tokens
         return (self.sums[name] / max(count, 1)).cpu()
+
+    def key_mean(self) -> torch.Tensor:
+        """The mean post-RoPE key μ `[H, d]` (float64, on the CPU)."""
+        if self.key_sum is None:
+            raise ValueError("these calibration statistics carry no key sum (made by an older oscar-hf?): recalibrate")
+        return (self.key_sum / max(self.tokens, 1)).cpu()
 
 
 def attention_column_energy(query: torch.Tensor, key: torch.Tensor, scale: float, block: int = _QUERY_BLOCK) -> torch.Tensor:
@@ -105,12 +113,15 @@ class StatisticsCollector:
         stats = self.layers.get(layer_idx)
         if stats is None:
             zeros = lambda: torch.zeros(h, d, d, dtype=torch.float64, device=query.device)  # noqa: E731
-            stats = self.layers[layer_idx] = LayerStatistics({name: zeros() for name in TARGETS})
+            stats = self.layers[layer_idx] = LayerStatistics(
+                {name: zeros() for name in TARGETS}, key_sum=torch.zeros(h, d, dtype=torch.float64, device=query.device)
+            )
         q = query.double().reshape(b, h, g * t, d)
         k, v = key.double(), value.double()
         s = stats.sums
         s["query"] += torch.einsum("bhnd,bhne->hde", q, q)
         s["key"] += torch.einsum("bhnd,bhne->hde", k, k)
+        stats.key_sum += k.sum(dim=(0, 2))
         s["value"] += torch.einsum("bhnd,bhne->hde", v, v)
         w_attn = attention_column_energy(query, key, scale)
         s["attention"] += torch.einsum("bhn,bhnd,bhne->hde", w_attn, v, v)
@@ -179,6 +190,9 @@ def rotations_from_statistics(stats: LayerStatistics, config: OscarConfig) -> di
             targets = torch.eye(d, dtype=torch.float64).expand(h, d, d)
         else:
             targets = stats.target(target_name)
+            if target_name == "key" and config.center_keys:
+                mu = stats.key_mean()  # the cache stores k − μ: rotate by the eigenvectors of their covariance
+                targets = targets - torch.einsum("hd,he->hde", mu, mu)
             if not config.per_head:
                 targets = targets.mean(0, keepdim=True).expand(h, d, d)
         rots, eigs = [], []
@@ -267,6 +281,19 @@ def best_ratio(errors: dict[float, float]) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- entry point
+def calibration_sequences(tokenizer, config: OscarConfig, data=None):
+    """The calibration sequences and the held-out sequence (after them, disjoint): `(sequences, heldout, data_info)`."""
+    documents, data_info = load_texts(data)
+    seq_len = config.calibration_sequence_length
+    n_seq = math.ceil(config.calibration_tokens / seq_len)
+    sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
+    heldout = []
+    if config.heldout_tokens:
+        offset = n_seq * (seq_len - len(sequence_prefix(tokenizer)))
+        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=offset)
+    return sequences, heldout, data_info
+
+
 @dataclass
 class CalibrationReport:
     seconds: float
@@ -317,17 +344,12 @@ def calibrate(
             f"({config.sink_tokens + config.window_tokens}) for the clip fit to see quantized history"
         )
     start = time.perf_counter()
-    documents, data_info = load_texts(data)
     seq_len = config.calibration_sequence_length
     max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"OscarConfig.calibration_sequence_length {seq_len} exceeds the model's {max_positions} positions")
-    n_seq = math.ceil(config.calibration_tokens / seq_len)
-    sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
+    sequences, heldout, data_info = calibration_sequences(tokenizer, config, data)
     used_tokens = sum(len(s) for s in sequences)
-    heldout = []
-    if config.heldout_tokens:
-        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=n_seq * (seq_len - len(sequence_prefix(tokenizer))))
 
     collector = StatisticsCollector(geometry)
     was_training = model.training
@@ -356,6 +378,10 @@ def calibrate(
         key_rotations[layer], value_rotations[layer] = built["key_rotation"], built["value_rotation"]
         key_eigs[layer], value_eigs[layer] = built["key_eigenvalues"], built["value_eigenvalues"]
 
+    key_means = None
+    if config.center_keys:
+        key_means = {layer: collector.layers[layer].key_mean() for layer in geometry.oscar_layers}
+
     key_clips = value_clips = None
     curves: dict[int, dict] = {}
     if heldout and config.bits < 16:
@@ -363,6 +389,8 @@ def calibrate(
         for layer in geometry.oscar_layers:
             q, k, v, scale = collector.record[layer]
             dev = q.device
+            if key_means is not None:  # fit on what the centered cache quantizes
+                k = k - key_means[layer].to(dev, k.dtype)[:, None, :]
             errs = clip_errors(
                 q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config, config.clip_grid
             )
@@ -412,6 +440,7 @@ def calibrate(
         key_clips,
         value_clips,
         metadata=metadata,
+        key_means=None if key_means is None else {k: v.float() for k, v in key_means.items()},
     )
     rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves)
     rotations.statistics = collector.layers

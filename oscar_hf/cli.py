@@ -55,7 +55,7 @@ def cmd_calibrate(args) -> int:
     from .calibrate import calibrate
 
     model, tokenizer, _ = load_model(args.model, args.dtype, args.device_map, attn="sdpa")
-    config = _config(args.config, calibration_tokens=args.tokens)
+    config = _config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None)
     rotations = calibrate(model, tokenizer, data=args.data, config=config, progress=not args.quiet)
     out = rotations.save_pretrained(args.output)
     print(rotations.report.summary())
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="text/json/jsonl file, 'hf:NAME[:CONFIG][:SPLIT][:COLUMN]', or default")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 8192)")
     p.add_argument("--config", default=None, help="OscarConfig as YAML or JSON")
+    p.add_argument("--center-keys", action="store_true",
+                   help="subtract the calibrated per-(layer, KV head) key mean before storing keys (OscarConfig."
+                        "center_keys; helps models whose keys carry a large mean, e.g. Qwen2.5, Gemma 3)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
     p.add_argument("--quiet", action="store_true")

@@ -50,6 +50,12 @@ class OscarConfig:
             `"hadamard"`, `"identity"`.
         per_head: one rotation per (layer, KV head); `False` shares one rotation per layer (the reference code).
         use_hadamard, use_permutation: the H and P factors of R = U·H·P (ablations turn them off).
+        center_keys: subtract a calibrated per-(layer, KV head) mean μ `[H_kv, d]` of the post-RoPE keys before the
+            cache stores them (every segment). Attention is unchanged (q·(k − μ) = q·k − q·μ, and softmax ignores the
+            per-query constant q·μ), but token-wise INT2 no longer spends its levels on a common offset. Calibration
+            then accumulates μ in its statistics pass, fits the key clips on centered keys and stores μ with the
+            rotations; the cache applies μ whenever the rotations carry it. Worth it for models whose keys carry a
+            large per-channel mean (Qwen2.5's k_proj bias, Gemma 3). Default False.
         clip_grid: ratios tried when fitting clips.
         calibration_tokens: tokens whose statistics build the rotations.
         calibration_sequence_length: tokens per calibration forward pass.
@@ -69,6 +75,7 @@ class OscarConfig:
     per_head: bool = True
     use_hadamard: bool = True
     use_permutation: bool = True
+    center_keys: bool = False
     clip_grid: tuple[float, ...] = field(default=DEFAULT_CLIP_GRID)
     calibration_tokens: int = 8192
     calibration_sequence_length: int = 2048
@@ -110,7 +117,7 @@ class OscarConfig:
             fail("key_target", f"must be one of {KEY_TARGETS}")
         if self.value_target not in VALUE_TARGETS:
             fail("value_target", f"must be one of {VALUE_TARGETS}")
-        for name in ("per_head", "use_hadamard", "use_permutation"):
+        for name in ("per_head", "use_hadamard", "use_permutation", "center_keys"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
         if not self.clip_grid or any(not 0.0 < r <= 1.0 for r in self.clip_grid):

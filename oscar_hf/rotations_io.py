@@ -3,9 +3,15 @@
 On disk (a folder, or a Hub repo where it sits beside the model's own files):
 - `oscar_rotations.safetensors`: per OSCAR layer l, `layers.{l}.key_rotation` / `layers.{l}.value_rotation`
   `[num_key_value_heads, head_dim, head_dim]` float32, and `layers.{l}.key_eigenvalues` / `value_eigenvalues`
-  `[num_key_value_heads, head_dim]` (ascending, from the covariance targets).
+  `[num_key_value_heads, head_dim]` (ascending, from the covariance targets); with key centering
+  (`OscarConfig.center_keys`), `layers.{l}.key_mean` `[num_key_value_heads, head_dim]` float32, the mean of the
+  post-RoPE keys that the cache subtracts before storing them.
 - `oscar_rotations.json`: format version, model identity and geometry, calibration data and token counts, method
-  options, fitted clip ratios (and the error curves they were fitted on), the OscarConfig used, library versions.
+  options, fitted clip ratios (and the error curves they were fitted on), `center_keys`, the OscarConfig used,
+  library versions.
+
+Format versions: 1 (no key means) and 2 (key means present). A file without key means is written as version 1, so
+older oscar-hf releases still read it; both versions are read here (a version-1 file loads with center_keys=False).
 
 Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
 checks the file against a model config and names the field and both values on mismatch.
@@ -27,7 +33,8 @@ from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
 FORMAT_NAME = "oscar-rotations"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version written (only when key means are present; otherwise 1)
+READABLE_VERSIONS = (1, 2)
 WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_rotations.json"
 ORTHOGONALITY_TOLERANCE = 1e-4
@@ -48,6 +55,7 @@ class OscarRotations:
         key_eigenvalues, value_eigenvalues: `{layer: [H_kv, d]}`.
         key_clips, value_clips: `{layer: ratio}` fitted clip ratios, or `None` when not fitted.
         metadata: calibration data, method options, fit curves, versions.
+        key_means: `{layer: [H_kv, d]}` key means to subtract before storage (`OscarConfig.center_keys`), or `None`.
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class OscarRotations:
         key_clips: dict[int, float] | None = None,
         value_clips: dict[int, float] | None = None,
         metadata: dict[str, Any] | None = None,
+        key_means: dict[int, torch.Tensor] | None = None,
     ):
         self.geometry = dict(geometry)
         self.key_rotations = {int(k): v.float().contiguous() for k, v in key_rotations.items()}
@@ -68,6 +77,7 @@ class OscarRotations:
         self.value_eigenvalues = {int(k): v.float() for k, v in (value_eigenvalues or {}).items()}
         self.key_clips = {int(k): float(v) for k, v in key_clips.items()} if key_clips else None
         self.value_clips = {int(k): float(v) for k, v in value_clips.items()} if value_clips else None
+        self.key_means = {int(k): v.float().contiguous() for k, v in key_means.items()} if key_means else None
         self.metadata = dict(metadata or {})
         self._check_consistency()
 
@@ -75,6 +85,14 @@ class OscarRotations:
     @property
     def layers(self) -> list[int]:
         return sorted(self.key_rotations)
+
+    @property
+    def center_keys(self) -> bool:
+        """True when these rotations carry key means (the cache then subtracts them before storing keys)."""
+        return self.key_means is not None
+
+    def key_mean(self, layer: int) -> torch.Tensor | None:
+        return None if self.key_means is None else self.key_means[layer]
 
     def key_clip(self, layer: int) -> float | None:
         return None if self.key_clips is None else self.key_clips.get(layer)
@@ -87,7 +105,7 @@ class OscarRotations:
         return (
             f"OscarRotations(model_type={g.get('model_type')!r}, layers={len(self.layers)}, "
             f"kv_heads={g.get('num_key_value_heads')}, head_dim={g.get('head_dim')}, "
-            f"clips={'fitted' if self.key_clips else 'none'})"
+            f"clips={'fitted' if self.key_clips else 'none'}, center_keys={self.center_keys})"
         )
 
     # ------------------------------------------------------------------ data-free constructors
@@ -139,6 +157,19 @@ class OscarRotations:
                     raise RotationFileError(
                         f"layers.{layer}.{name} is not orthogonal: max |RᵀR − I| = {err:.2e} > {ORTHOGONALITY_TOLERANCE}"
                     )
+        if self.key_means is not None:
+            if set(self.key_means) != set(self.key_rotations):
+                raise RotationFileError(
+                    f"key means cover layers {sorted(self.key_means)}, rotations cover {self.layers}"
+                )
+            for layer, mean in self.key_means.items():
+                if tuple(mean.shape) != (h, d):
+                    raise RotationFileError(
+                        f"layers.{layer}.key_mean has shape {tuple(mean.shape)}, expected {(h, d)} "
+                        f"(num_key_value_heads={h}, head_dim={d})"
+                    )
+                if not torch.isfinite(mean).all():
+                    raise RotationFileError(f"layers.{layer}.key_mean contains NaN or Inf")
         for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
             if clips is None:
                 continue
@@ -177,6 +208,8 @@ class OscarRotations:
                 tensors[f"layers.{layer}.key_eigenvalues"] = self.key_eigenvalues[layer]
             if layer in self.value_eigenvalues:
                 tensors[f"layers.{layer}.value_eigenvalues"] = self.value_eigenvalues[layer]
+            if self.key_means is not None:
+                tensors[f"layers.{layer}.key_mean"] = self.key_means[layer]
         return {k: v.contiguous() for k, v in tensors.items()}
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -185,9 +218,10 @@ class OscarRotations:
 
         return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": 2 if self.center_keys else 1,
             "model": self.geometry,
             "clip": {"key": clips(self.key_clips), "value": clips(self.value_clips)},
+            "center_keys": self.center_keys,
             **self.metadata,
         }
 
@@ -238,16 +272,16 @@ class OscarRotations:
         if meta.get("format") != FORMAT_NAME:
             raise RotationFileError(f"{config_path} is not an OSCAR rotation file (format={meta.get('format')!r})")
         version = meta.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise RotationFileError(
-                f"{config_path} has format_version {version!r}; this oscar-hf reads version {FORMAT_VERSION}"
+                f"{config_path} has format_version {version!r}; this oscar-hf reads versions {list(READABLE_VERSIONS)}"
             )
         try:
             tensors = load_file(str(weights_path))
         except Exception as e:  # safetensors raises several error types for corrupt files
             raise RotationFileError(f"{weights_path} is not a readable safetensors file: {e}") from None
         tables: dict[str, dict[int, torch.Tensor]] = {
-            "key_rotation": {}, "value_rotation": {}, "key_eigenvalues": {}, "value_eigenvalues": {}
+            "key_rotation": {}, "value_rotation": {}, "key_eigenvalues": {}, "value_eigenvalues": {}, "key_mean": {}
         }
         for name, tensor in tensors.items():
             parts = name.split(".")
@@ -255,6 +289,14 @@ class OscarRotations:
                 raise RotationFileError(f"{weights_path} has an unexpected tensor {name!r}")
             tables[parts[2]][int(parts[1])] = tensor
         clip = meta.pop("clip", {}) or {}
+        center_keys = meta.pop("center_keys", False)
+        if center_keys not in (True, False):
+            raise RotationFileError(f"{config_path}: center_keys must be true or false, got {center_keys!r}")
+        if center_keys != bool(tables["key_mean"]):
+            raise RotationFileError(
+                f"{config_path} says center_keys={str(center_keys).lower()} but {weights_path.name} "
+                f"{'has no' if center_keys else 'has'} layers.*.key_mean tensors"
+            )
         geometry = meta.pop("model")
         for key in ("format", "format_version"):
             meta.pop(key)
@@ -267,6 +309,7 @@ class OscarRotations:
             clip.get("key"),
             clip.get("value"),
             metadata=meta,
+            key_means=tables["key_mean"] or None,
         )
 
     def push_to_hub(

@@ -45,6 +45,23 @@ def test_tokens_flag_overrides_the_config(model_dir, tmp_path, capsys):
     assert OscarRotations.from_pretrained(tmp_path / "r").metadata["calibration"]["tokens"] == 384
 
 
+def test_center_keys_flag_and_yaml_field(model_dir, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    config = tmp_path / "oscar.yaml"
+    OscarConfig(**SMALL).save(config)
+    main(["calibrate", "--model", str(model_dir), "--output", str(tmp_path / "r"), "--data", str(data),
+          "--config", str(config), "--center-keys", "--dtype", "float32", "--quiet"])
+    rot = OscarRotations.from_pretrained(tmp_path / "r")
+    assert rot.center_keys and rot.metadata["oscar_config"]["center_keys"] is True
+    OscarConfig(center_keys=True, **SMALL).save(config)  # the YAML field does the same
+    main(["calibrate", "--model", str(model_dir), "--output", str(tmp_path / "y"), "--data", str(data),
+          "--config", str(config), "--dtype", "float32", "--quiet"])
+    assert OscarRotations.from_pretrained(tmp_path / "y").center_keys
+    assert main(["generate", "--model", str(model_dir), "--rotations", str(tmp_path / "y"), "--prompt", TEXT[:60],
+                 "--max-new-tokens", "4", "--config", str(config), "--dtype", "float32"]) == 0
+
+
 def test_missing_prompt_is_an_error(model_dir, tmp_path, capsys):
     rot = OscarRotations.data_free(tiny_model("llama"), "hadamard")
     rot.save_pretrained(tmp_path / "r")

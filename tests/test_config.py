@@ -17,7 +17,7 @@ def test_defaults_match_the_paper():
     [
         ("bits", 5), ("bits", True), ("group_size", 0), ("sink_tokens", -1), ("window_tokens", 1.5),
         ("demotion_block", 0), ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
-        ("scale_dtype", "int8"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1),
+        ("scale_dtype", "int8"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
         ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),
     ],
 )
@@ -27,7 +27,9 @@ def test_invalid_values_name_the_field(field, value):
 
 
 def test_json_and_yaml_round_trip(tmp_path):
-    c = OscarConfig(bits=4, group_size=32, key_clip=0.96, value_clip="none", per_head=False, clip_grid=(0.9, 1.0))
+    c = OscarConfig(bits=4, group_size=32, key_clip=0.96, value_clip="none", per_head=False, clip_grid=(0.9, 1.0),
+                    center_keys=True)
+    assert OscarConfig().center_keys is False
     assert OscarConfig.from_json(c.to_json()) == c
     assert OscarConfig.from_yaml(c.to_yaml()) == c
     for name in ("c.json", "c.yaml"):

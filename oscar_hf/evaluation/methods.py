@@ -15,7 +15,7 @@ Every method is a `transformers.Cache` usable in `generate()`:
 | oscar-s32w64      | OSCAR with a 32-token sink and a 64-token window (matched bits against KIVI)               |
 | hf-hqq-int2       | transformers' `QuantizedCache(backend="hqq", nbits=2)` (per-token groups of 64, residual 128) |
 | naive-int4        | `OscarCache` with identity rotations, no clip, 4 bits: the INT4 reference point            |
-| oscar_centered    | OSCAR with the calibrated key mean subtracted before storage (`centering.py`; experiment)   |
+| oscar_centered    | OSCAR with `center_keys=True`: calibrated key mean subtracted before storage (`centering.py`) |
 
 All OSCAR-family methods share the sink/window (64/256 by default) so that their differences are the rotation and
 clip only; KIVI and the HF cache use their own full-precision residual (128 by default). The window sizes can be
@@ -73,8 +73,6 @@ class Method:
         oscar: the `OscarConfig` (oscar family; for "calibrated" it is also the calibration config).
         kivi: the `KiviConfig` (kivi family).
         hf: `QuantizedCache` keyword arguments (hf-quantized family).
-        center_keys: oscar family: subtract the calibrated per-(layer, KV head) key mean before storing keys
-            (`centering.CenteredOscarCache`; the calibrated rotations must carry `key_means`, see `fit_centering`).
     """
 
     name: str
@@ -84,7 +82,11 @@ class Method:
     oscar: OscarConfig | None = None
     kivi: KiviConfig | None = None
     hf: dict[str, Any] = field(default_factory=dict)
-    center_keys: bool = False
+
+    @property
+    def center_keys(self) -> bool:
+        """OSCAR family with `OscarConfig.center_keys` (the calibrated rotations carry the key means)."""
+        return self.oscar is not None and self.oscar.center_keys
 
     @property
     def needs_calibration(self) -> bool:
@@ -103,10 +105,6 @@ class Method:
                     )
             else:
                 rotations = _data_free(model, self.rotations)
-            if self.center_keys:
-                from .centering import CenteredOscarCache
-
-                return CenteredOscarCache(model, rotations, self.oscar)
             return OscarCache(model, rotations, self.oscar)
         if self.family == "kivi":
             return KiviCache(model, self.kivi)
@@ -124,8 +122,6 @@ class Method:
             out["kivi_config"] = self.kivi.__dict__.copy()
         if self.hf:
             out["hf_quantized_cache"] = dict(self.hf)
-        if self.center_keys:
-            out["center_keys"] = True
         return out
 
 
@@ -212,7 +208,7 @@ def ablation_methods(windows: Windows = Windows()) -> dict[str, Method]:
 def centering_methods(windows: Windows = Windows()) -> dict[str, Method]:
     """The key-centering experiment (`oscar-hf eval centering`): OSCAR with the calibrated key mean subtracted."""
     return {"oscar_centered": Method("oscar_centered", "OSCAR INT2, keys centered by their calibrated mean", "oscar",
-                                     "calibrated", oscar_config(windows), center_keys=True)}
+                                     "calibrated", oscar_config(windows).replace(center_keys=True))}
 
 
 def all_methods(windows: Windows = Windows()) -> dict[str, Method]:
@@ -235,7 +231,8 @@ def calibration_key(config: OscarConfig) -> str:
     fields = ("bits", "group_size", "sink_tokens", "window_tokens", "key_target", "value_target", "per_head",
               "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "calibration_sequence_length",
               "heldout_tokens")
-    return ",".join(f"{f}={getattr(config, f)}" for f in fields)
+    key = ",".join(f"{f}={getattr(config, f)}" for f in fields)
+    return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
 
 class RotationStore:

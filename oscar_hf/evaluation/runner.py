@@ -16,6 +16,7 @@ Stages (each writes `<output>/<model>/<stage>.json`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -97,7 +98,6 @@ class Session:
                                    calibration_sequence_length=calibration_length)
         self.rotation_dir = self.output / "rotations"
         self.eval_docs = list(assets.essay_split("eval").values())
-        self.centered: dict[str, tuple[OscarRotations, dict]] = {}  # calibration key -> (centered rotations, diagnostic)
 
     # ------------------------------------------------------------------ rotations
     def rotations(self, methods: dict[str, Method]) -> dict[str, OscarRotations]:
@@ -114,13 +114,6 @@ class Session:
             rotations = self.store.rotations_for(method)
             if not (folder / "oscar_rotations.json").is_file():
                 rotations.save_pretrained(folder)
-            if method.center_keys:
-                from .centering import fit_centering
-
-                key = calibration_key(config)
-                if key not in self.centered:
-                    self.centered[key] = fit_centering(self.model, self.tokenizer, rotations, config, self.store.data)
-                rotations = self.centered[key][0]
             out[name] = rotations
         return out
 
@@ -208,9 +201,16 @@ class Session:
     def centering(self, methods: dict[str, Method], **ppl) -> Path:
         """The key-centering experiment: perplexity (`centering_ppl.json`) and key diagnostic (`centering_keys.json`)."""
         path = self.perplexity(methods, stage="centering_ppl", **ppl)
+        from .centering import key_diagnostic
+
         rotations = self.rotations(methods)
-        diagnostics = {name: self.centered[calibration_key(self.store.calibration_config(m.oscar))][1]
-                       for name, m in methods.items() if m.center_keys}
+        diagnostics = {}
+        for name, m in methods.items():
+            if m.center_keys and m.needs_calibration:
+                plain = dataclasses.replace(m, name=m.name + "-plain", oscar=m.oscar.replace(center_keys=False))
+                plain_rotations = self.rotations({plain.name: plain})[plain.name]
+                diagnostics[name] = key_diagnostic(self.model, self.tokenizer, plain_rotations, rotations[name],
+                                                   self.store.calibration_config(m.oscar), self.store.data)
         meta = self.meta("centering_keys", methods, {"calibration": self.calibration_meta(rotations)})
         self.write("centering_keys", meta, diagnostics)
         return path
