@@ -95,6 +95,14 @@ def _plane(codes, p: tl.constexpr):
 
 
 @triton.jit
+def _scale_min(row, offset, sm_2, ok):
+    """The 16-bit scale and minimum of one quantization group for a tile's tokens (`row` per token), in float32."""
+    scale = tl.load(row + offset, mask=ok, other=0.0).to(tl.float32)
+    minimum = tl.load(row + offset + sm_2, mask=ok, other=0.0).to(tl.float32)
+    return scale, minimum
+
+
+@triton.jit
 def _int2_range(
     q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, cv_ptr, sc_b, sc_h, sc_t, sc_d,
@@ -117,19 +125,15 @@ def _int2_range(
         ok = idx < hi
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
         mrow = base_mk + idx * sm_t
-        ks0 = tl.load(mrow, mask=ok, other=0.0).to(tl.float32)
-        km0 = tl.load(mrow + sm_2, mask=ok, other=0.0).to(tl.float32)
+        ks0, km0 = _scale_min(mrow, 0, sm_2, ok)
         s = _dot(q0, tl.trans(_plane(ck, 0)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
         if GROUPS == 1:
             s += (_dot(q1, tl.trans(_plane(ck, 1)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2)), UPCAST)
                   + _dot(q3, tl.trans(_plane(ck, 3)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
         else:
-            ks1 = tl.load(mrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            km1 = tl.load(mrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            ks2 = tl.load(mrow + G2 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            km2 = tl.load(mrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            ks3 = tl.load(mrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            km3 = tl.load(mrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            ks1, km1 = _scale_min(mrow, G1 * sm_g, sm_2, ok)
+            ks2, km2 = _scale_min(mrow, G2 * sm_g, sm_2, ok)
+            ks3, km3 = _scale_min(mrow, G3 * sm_g, sm_2, ok)
             s += _dot(q1, tl.trans(_plane(ck, 1)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
             s += _dot(q2, tl.trans(_plane(ck, 2)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
             s += _dot(q3, tl.trans(_plane(ck, 3)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
@@ -141,8 +145,7 @@ def _int2_range(
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         cv = tl.load(base_cv + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
         vrow = base_mv + idx * sm_t
-        vs0 = tl.load(vrow, mask=ok, other=0.0).to(tl.float32)
-        vm0 = tl.load(vrow + sm_2, mask=ok, other=0.0).to(tl.float32)
+        vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
             ps = (p * vs0[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
             bias = tl.sum(p * vm0[None, :], axis=1)[:, None]
@@ -151,12 +154,9 @@ def _int2_range(
             acc2 += _dot(ps, _plane(cv, 2), UPCAST) + bias
             acc3 += _dot(ps, _plane(cv, 3), UPCAST) + bias
         else:
-            vs1 = tl.load(vrow + G1 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            vm1 = tl.load(vrow + G1 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            vs2 = tl.load(vrow + G2 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            vm2 = tl.load(vrow + G2 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
-            vs3 = tl.load(vrow + G3 * sm_g, mask=ok, other=0.0).to(tl.float32)
-            vm3 = tl.load(vrow + G3 * sm_g + sm_2, mask=ok, other=0.0).to(tl.float32)
+            vs1, vm1 = _scale_min(vrow, G1 * sm_g, sm_2, ok)
+            vs2, vm2 = _scale_min(vrow, G2 * sm_g, sm_2, ok)
+            vs3, vm3 = _scale_min(vrow, G3 * sm_g, sm_2, ok)
             acc0 += _dot((p * vs0[None, :]).to(tl.float16), _plane(cv, 0), UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
             acc1 += _dot((p * vs1[None, :]).to(tl.float16), _plane(cv, 1), UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None]
             acc2 += _dot((p * vs2[None, :]).to(tl.float16), _plane(cv, 2), UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None]

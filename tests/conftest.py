@@ -91,3 +91,23 @@ def smollm2_rotations(smollm2):
 
     model, tokenizer = smollm2
     return calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=4096), progress=False)
+
+
+def rewrite_rotation_file(folder, rotations, edit_json=None, edit_tensors=None):
+    """Saves `rotations` to `folder`, then edits its JSON (`edit_json(meta)`) and/or tensors (`edit_tensors(dict)`)
+    in place: how the bad-file tests make a damaged or foreign rotation file."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME
+
+    rotations.save_pretrained(folder)
+    if edit_json:
+        meta = json.loads((folder / CONFIG_NAME).read_text())
+        edit_json(meta)
+        (folder / CONFIG_NAME).write_text(json.dumps(meta))
+    if edit_tensors:
+        t = load_file(str(folder / WEIGHTS_NAME))
+        edit_tensors(t)
+        save_file(t, str(folder / WEIGHTS_NAME))

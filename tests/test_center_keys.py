@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, rewrite_rotation_file, tiny_model
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.calibrate import StatisticsCollector, calibrate, capturing
 from oscar_hf.models import model_geometry
@@ -118,17 +118,7 @@ def test_old_format_file_loads_without_means(tmp_path):
 
 
 def _edit(tmp_path, model, edit_json=None, edit_tensors=None):
-    centered_data_free(model).save_pretrained(tmp_path)
-    if edit_json:
-        meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-        edit_json(meta)
-        (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
-    if edit_tensors:
-        from safetensors.torch import load_file, save_file
-
-        t = load_file(str(tmp_path / WEIGHTS_NAME))
-        edit_tensors(t)
-        save_file(t, str(tmp_path / WEIGHTS_NAME))
+    rewrite_rotation_file(tmp_path, centered_data_free(model), edit_json, edit_tensors)
 
 
 def test_mean_shape_mismatch_names_field_and_values(tmp_path):

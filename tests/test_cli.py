@@ -35,23 +35,24 @@ def test_calibrate_then_generate(model_dir, tmp_path, capsys):
     assert "bits per element" in printed and "greedy tokens identical to BF16" in printed
 
 
-def test_tokens_flag_overrides_the_config(model_dir, tmp_path, capsys):
+def _calibrate_small(model_dir, tmp_path, config_name, *flags):
+    """`oscar-hf calibrate` of the tiny model with the SMALL config saved as `config_name`, plus `flags`."""
     data = tmp_path / "calib.txt"
     data.write_text(TEXT)
-    config = tmp_path / "oscar.json"
+    config = tmp_path / config_name
     OscarConfig(**SMALL).save(config)
     main(["calibrate", "--model", str(model_dir), "--output", str(tmp_path / "r"), "--data", str(data),
-          "--config", str(config), "--tokens", "384", "--dtype", "float32", "--quiet"])
+          "--config", str(config), *flags, "--dtype", "float32", "--quiet"])
+
+
+def test_tokens_flag_overrides_the_config(model_dir, tmp_path, capsys):
+    _calibrate_small(model_dir, tmp_path, "oscar.json", "--tokens", "384")
     assert OscarRotations.from_pretrained(tmp_path / "r").metadata["calibration"]["tokens"] == 384
 
 
 def test_center_keys_flag_and_yaml_field(model_dir, tmp_path, capsys):
-    data = tmp_path / "calib.txt"
-    data.write_text(TEXT)
-    config = tmp_path / "oscar.yaml"
-    OscarConfig(**SMALL).save(config)
-    main(["calibrate", "--model", str(model_dir), "--output", str(tmp_path / "r"), "--data", str(data),
-          "--config", str(config), "--center-keys", "--dtype", "float32", "--quiet"])
+    _calibrate_small(model_dir, tmp_path, "oscar.yaml", "--center-keys")
+    data, config = tmp_path / "calib.txt", tmp_path / "oscar.yaml"
     rot = OscarRotations.from_pretrained(tmp_path / "r")
     assert rot.center_keys and rot.metadata["oscar_config"]["center_keys"] is True
     OscarConfig(center_keys=True, **SMALL).save(config)  # the YAML field does the same

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import rewrite_rotation_file, tiny_config
 from oscar_hf import OscarRotations, RotationFileError
 from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME
 
@@ -112,17 +112,7 @@ def test_head_dim_mismatch_is_reported():
 
 
 def _rewrite(tmp_path, edit_json=None, edit_tensors=None):
-    _rotations().save_pretrained(tmp_path)
-    if edit_json:
-        meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-        edit_json(meta)
-        (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
-    if edit_tensors:
-        from safetensors.torch import load_file, save_file
-
-        t = load_file(str(tmp_path / WEIGHTS_NAME))
-        edit_tensors(t)
-        save_file(t, str(tmp_path / WEIGHTS_NAME))
+    rewrite_rotation_file(tmp_path, _rotations(), edit_json, edit_tensors)
 
 
 def test_non_orthogonal_rotation_is_rejected(tmp_path):
