@@ -8,7 +8,7 @@ Sections (results go to DIR/bench_gpu.json after each section, a summary table i
   tune    a small sweep of the decode kernel's launch parameters; the best is used below
   micro   decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128) at 4K-128K tokens,
           batch 1/8/32: time, bytes it must read, achieved bandwidth vs the measured copy bandwidth, vs BF16 sdpa
-  quant   the demotion (8 tokens per layer, every 8 steps) and prefill quantization cost
+  quant   the demotion (64 tokens per layer, every 64 steps) and prefill quantization cost
   memory  KV bytes really allocated (CUDA allocator) and bits per element at 32K and 128K
   e2e     decode step of random-weight Qwen3-4B / Qwen3-8B: DynamicCache BF16 vs OscarCache vs transformers'
           QuantizedCache (HQQ, 2 bits), interleaved step by step where they fit together; wall and GPU time
@@ -40,6 +40,7 @@ QWEN3 = {  # published architecture configs (no hub needed)
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 SINK, WINDOW = 64, 256
+KEY_BLOCK = 64  # the default layout: channel-wise keys over blocks of 64 tokens (OscarConfig.demotion_block)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -93,36 +94,44 @@ def copy_bandwidth(device) -> float:
     return 2 * n * 2 / (us * 1e-6)
 
 
-def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", sink=SINK, window=WINDOW, meta_groups=1):
-    """Random rotated q and cache segments of a cache holding `length` tokens; returns the op's argument tuple."""
+def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", sink=SINK, window=WINDOW, meta_groups=1,
+                    key_block=KEY_BLOCK):
+    """Random rotated q and cache segments of a cache holding `length` tokens in the default layout (channel-wise
+    keys over blocks of `key_block` tokens; `key_block=0`: token-wise keys); returns the op's argument tuple."""
     n_sink = min(sink, length)
-    n_recent = min(window + 4, max(length - n_sink, 0))
-    n_hist = max(length - n_sink - n_recent, 0)
+    unit = key_block or 8
+    n_hist = max(length - n_sink - window, 0) // unit * unit
+    n_recent = max(length - n_sink - n_hist, 0)
     bf = dict(device=device, dtype=torch.bfloat16)
     q = torch.randn(batch, kv_heads, groups_q * t, d, **bf)
     sink_k, sink_v = torch.randn(batch, kv_heads, sink, d, **bf), torch.randn(batch, kv_heads, sink, d, **bf)
-    rec_k, rec_v = torch.randn(batch, kv_heads, window + 8, d, **bf), torch.randn(batch, kv_heads, window + 8, d, **bf)
+    rec_k = torch.randn(batch, kv_heads, window + unit, d, **bf)
+    rec_v = torch.randn(batch, kv_heads, window + unit, d, **bf)
     codes_k = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
     codes_v = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
 
-    def meta():
-        m = torch.empty(batch, kv_heads, n_hist, meta_groups, 2, device=device, dtype=torch.float16)
+    def meta(rows, groups):
+        m = torch.empty(batch, kv_heads, rows, groups, 2, device=device, dtype=torch.float16)
         m[..., 0].uniform_(0.05, 1.0)
         m[..., 1].normal_(0, 1)
         return m
 
+    meta_k = meta(-(-n_hist // key_block), d) if key_block else meta(n_hist, meta_groups)
     empty = q.new_empty(batch, kv_heads, 0, d)
-    return (q, sink_k, sink_v, codes_k, meta(), codes_v, meta(), rec_k, rec_v, empty, empty, None,
-            n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5)
+    return (q, sink_k, sink_v, codes_k, meta_k, codes_v, meta(n_hist, meta_groups), rec_k, rec_v, empty, empty, None,
+            n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, key_block)
 
 
 def bytes_read(args) -> int:
     """Bytes the decode attention must read: packed history + its metadata + the BF16 windows + q."""
     q, sk, sv, ck, mk, cv, mv, rk, rv, ek, ev, mask, ns, nh, nr, ne = args[:16]
+    key_block = args[19] if len(args) > 19 else 0
     b, h, _, d = q.shape
-    hist = nh * (ck.shape[-1] + mk.shape[-2] * 2 * mk.element_size()) * 2
+    codes = 2 * nh * ck.shape[-1]
+    meta_k = (-(-nh // key_block) * d if key_block else nh * mk.shape[-2]) * 2 * mk.element_size()
+    meta_v = nh * mv.shape[-2] * 2 * mv.element_size()
     windows = (ns + nr + ne) * d * 2 * 2
-    return b * h * (hist + windows) + q.numel() * 2
+    return b * h * (codes + meta_k + meta_v + windows) + q.numel() * 2
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -130,17 +139,17 @@ def section_check(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
     from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
 
-    shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, meta groups)
-        (1, 8, 4, 131072, 128, 1, 1), (8, 8, 4, 32768, 128, 1, 1), (32, 8, 8, 4096, 64, 1, 1),
-        (4, 2, 7, 16384, 64, 1, 1), (2, 1, 4, 8192, 256, 1, 1), (1, 8, 4, 32768, 128, 16, 2),
-        (2, 8, 4, 8192, 128, 1, 4),
+    shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, value meta groups, key block)
+        (1, 8, 4, 131072, 128, 1, 1, 64), (8, 8, 4, 32768, 128, 1, 1, 64), (32, 8, 8, 4096, 64, 1, 1, 64),
+        (4, 2, 7, 16384, 64, 1, 1, 64), (2, 1, 4, 8192, 256, 1, 1, 64), (1, 8, 4, 32768, 128, 16, 2, 64),
+        (2, 8, 4, 8192, 128, 1, 4, 128), (1, 8, 4, 32768, 128, 1, 1, 0), (2, 8, 4, 8192, 128, 1, 4, 0),
     ]
     if quick:
-        shapes = [(1, 2, 4, 1500, 64, 1, 1), (2, 2, 2, 700, 128, 3, 2)]
+        shapes = [(1, 2, 4, 1500, 64, 1, 1, 64), (2, 2, 2, 700, 128, 3, 2, 0)]
     rows = []
-    for (b, h, g, length, d, t, mg) in shapes:
+    for (b, h, g, length, d, t, mg, kb) in shapes:
         torch.manual_seed(length + b)
-        args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg)
+        args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg, key_block=kb)
         ref, ref_lse = segment_attention_reference(*args)
         lowp, _ = segment_attention_reference(*args, emulate_bf16=True)
         poison = torch.full((256 * 1024**2,), float("nan"), device=device)  # reused memory comes back as NaN
@@ -153,30 +162,36 @@ def section_check(device, quick):
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         passed = bool(torch.isfinite(out).all()) and err <= 3 * lowp_err + 1e-2
         rows.append(dict(kind="segment_attention", batch=b, kv_heads=h, gqa=g, length=length, head_dim=d, queries=t,
-                         meta_groups=mg, max_err=err, bf16_ref_err=lowp_err, rel_err=rel, passed=passed))
-        log(f"check attention B={b} H={h} g={g} L={length} d={d} T={t} G={mg}: err {err:.2e} (bf16 ref {lowp_err:.2e}) "
+                         meta_groups=mg, key_block=kb, max_err=err, bf16_ref_err=lowp_err, rel_err=rel, passed=passed))
+        log(f"check attention B={b} H={h} g={g} L={length} d={d} T={t} G={mg} key block {kb}: err {err:.2e} (bf16 ref {lowp_err:.2e}) "
             f"rel {rel:.1e} {'ok' if passed else 'FAIL'}")
         del args, ref, lowp, out
         free()
-    for (b, h, n, d, rotate) in ([(4, 8, 16384, 128, True), (32, 8, 8, 128, False), (2, 2, 4096, 64, True)]
-                                 if not quick else [(2, 2, 300, 64, True)]):
-        x = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) * 3
+    cases = [(4, 8, 16384, 128, True, 0), (32, 8, 8, 128, False, 0), (2, 2, 4096, 64, True, 0),
+             (4, 8, 16384, 128, True, 64), (32, 8, 64, 128, False, 64), (2, 1, 4096, 256, True, 64),
+             (2, 2, 4096, 64, False, 128)]
+    for (b, h, n, d, rotate, block) in (cases if not quick else [(2, 2, 320, 64, True, 0), (2, 2, 320, 64, True, 64)]):
+        x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
+        start = block or 3
         outs = []
         for fn in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
-            codes = torch.full((b, h, n + 3, d // 4), 0xAA, device=device, dtype=torch.uint8)
-            meta = torch.full((b, h, n + 3, 1, 2), float("nan"), device=device, dtype=torch.float16)
-            fn(x, rot, 0.96, codes, meta, 3)
+            codes = torch.full((b, h, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
+            meta_shape = (b, h, (n + start) // block, d, 2) if block else (b, h, n + start, 1, 2)
+            meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
+            fn(x, rot, 1.0 if block else 0.96, codes, meta, start, block)
             outs.append((codes, meta))
         from oscar_hf.quant import unpack_2bit_u8
 
-        a, r = (unpack_2bit_u8(o[0][:, :, 3:]).int() for o in outs)
+        a, r = (unpack_2bit_u8(o[0][:, :, start:]).int() for o in outs)
         differ = (a != r).float().mean().item()
-        written = bool((outs[1][0][:, :, :3] == 0xAA).all()) and not bool(torch.isnan(outs[1][1][:, :, 3:]).any())
+        meta_start = 1 if block else start
+        written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(outs[1][1][:, :, meta_start:]).any())
         passed = written and differ < 0.01 and (a - r).abs().max().item() <= 1
-        rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate,
+        rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate, block=block,
                          codes_differing=differ, passed=passed))
-        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate}: {differ:.2e} of codes differ {'ok' if passed else 'FAIL'}")
+        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} block={block}: {differ:.2e} of codes differ "
+            f"{'ok' if passed else 'FAIL'}")
         free()
     return rows
 
@@ -194,22 +209,28 @@ def section_model_check(device, quick):
     mask = torch.ones_like(ids)
     mask[1, :100] = 0
     rot = OscarRotations.data_free(model, "hadamard")
-    logits = {}
-    for mode in ("0", "1"):
-        os.environ["OSCAR_HF_KERNELS"] = mode
-        cache = OscarCache(model, rot, OscarConfig(key_clip=0.96, value_clip=0.92))
-        out = []
-        with torch.no_grad():
-            for a, b in [(0, n), (n, n + 1), (n + 1, n + 2), (n + 2, n + 302), (n + 302, n + 303), (n + 303, n + 330)]:
-                out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], use_cache=True, **{kw: cache}).logits.float())
-        logits[mode] = torch.cat(out[1:], 1)  # the first prefill is sdpa in both modes
-    os.environ.pop("OSCAR_HF_KERNELS")
-    ref = logits["0"]
-    rel = ((logits["1"] - ref).norm() / ref.norm()).item()
-    top1 = (logits["1"].argmax(-1) == ref.argmax(-1)).float().mean().item()
-    passed = rel < 0.02 and top1 > 0.97
-    log(f"check model: kernels vs torch twins, relative logit error {rel:.2e}, top-1 agreement {top1:.4f} {'ok' if passed else 'FAIL'}")
-    return dict(kind="model", tokens=n + 330, rel_logit_err=rel, top1_agreement=top1, passed=passed)
+    rows = []
+    for layout in ("channel", "token"):
+        config = OscarConfig(value_clip=0.92) if layout == "channel" else OscarConfig(
+            key_granularity="token", demotion_block=8, key_clip=0.96, value_clip=0.92)
+        logits = {}
+        for mode in ("0", "1"):
+            os.environ["OSCAR_HF_KERNELS"] = mode
+            cache = OscarCache(model, rot, config)
+            out = []
+            with torch.no_grad():
+                for a, b in [(0, n), (n, n + 1), (n + 1, n + 2), (n + 2, n + 302), (n + 302, n + 303), (n + 303, n + 330)]:
+                    out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], use_cache=True, **{kw: cache}).logits.float())
+            logits[mode] = torch.cat(out[1:], 1)  # the first prefill is sdpa in both modes
+        os.environ.pop("OSCAR_HF_KERNELS")
+        ref = logits["0"]
+        rel = ((logits["1"] - ref).norm() / ref.norm()).item()
+        top1 = (logits["1"].argmax(-1) == ref.argmax(-1)).float().mean().item()
+        passed = rel < 0.02 and top1 > 0.97
+        log(f"check model ({layout}-wise keys): kernels vs torch twins, relative logit error {rel:.2e}, top-1 agreement "
+            f"{top1:.4f} {'ok' if passed else 'FAIL'}")
+        rows.append(dict(kind="model", layout=layout, tokens=n + 330, rel_logit_err=rel, top1_agreement=top1, passed=passed))
+    return rows
 
 
 def section_devmap(device, quick, tmp):
@@ -354,22 +375,32 @@ def section_quant(device, quick):
     rows = []
     for b in ([1, 8, 32] if not quick else [1]):
         h, d = 8, 128
-        rows_rot = torch.randn(b, h, 8, d, device=device, dtype=torch.bfloat16)
-        codes = torch.empty(b, h, 64, d // 4, device=device, dtype=torch.uint8)
-        meta = torch.empty(b, h, 64, 1, 2, device=device, dtype=torch.float16)
-        us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 0.96, codes, meta, 8),
-                                  torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta, 8)))
-        rows.append(dict(kind="demotion", batch=b, tokens=8, us_per_layer_per_demotion=us, us_per_layer_per_step=us / 8))
-        log(f"quant demotion B={b}: {us:.1f} us per layer per demotion ({us / 8:.2f} us per layer per decode step)")
+        blk = KEY_BLOCK
+        rows_rot = torch.randn(b, h, blk, d, device=device, dtype=torch.bfloat16)
+        codes = torch.empty(b, h, 4 * blk, d // 4, device=device, dtype=torch.uint8)
+        meta_k = torch.empty(b, h, 4, d, 2, device=device, dtype=torch.float16)
+        meta_v = torch.empty(b, h, 4 * blk, 1, 2, device=device, dtype=torch.float16)
+        us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, blk),
+                                  torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, 0)))
+        rows.append(dict(kind="demotion", batch=b, tokens=blk, us_per_layer_per_demotion=us, us_per_layer_per_step=us / blk))
+        log(f"quant demotion B={b}: {us:.1f} us per layer per demotion of {blk} tokens ({us / blk:.2f} us per layer per decode step)")
     n = 100_000 if not quick else 2000
     x = torch.randn(1, 8, n, 128, device=device, dtype=torch.bfloat16)
     rot = torch.linalg.qr(torch.randn(8, 128, 128, device=device))[0].to(torch.bfloat16)
+    n = n // KEY_BLOCK * KEY_BLOCK
+    x = x[:, :, :n]
     codes = torch.empty(1, 8, n, 32, device=device, dtype=torch.uint8)
     meta = torch.empty(1, 8, n, 1, 2, device=device, dtype=torch.float16)
-    us = bench_graph(lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0))
-    moved = x.numel() * 2 + codes.numel() + meta.numel() * 2
-    rows.append(dict(kind="prefill", tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9))
-    log(f"quant prefill {n} tokens x 8 heads (rotate+clip+quantize+pack): {us:.1f} us ({moved / (us * 1e-6) / 1e9:.0f} GB/s)")
+    meta_k = torch.empty(1, 8, n // KEY_BLOCK, 128, 2, device=device, dtype=torch.float16)
+    for kind, fn, meta_bytes in (
+            ("prefill values (token-wise: rotate+clip+quantize+pack)",
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, 0), meta.numel() * 2),
+            ("prefill keys (channel-wise: rotate+quantize+pack)",
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, KEY_BLOCK), meta_k.numel() * 2)):
+        us = bench_graph(fn)
+        moved = x.numel() * 2 + codes.numel() + meta_bytes
+        rows.append(dict(kind=kind, tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9))
+        log(f"quant {kind}, {n} tokens x 8 heads: {us:.1f} us ({moved / (us * 1e-6) / 1e9:.0f} GB/s)")
     return rows
 
 
@@ -431,7 +462,7 @@ def make_cache(kind, model, batch, length, device):
         return cache
     if kind == "oscar":
         rot = OscarRotations.data_free(model, "hadamard")
-        cache = OscarCache(model, rot, OscarConfig(key_clip=0.96, value_clip=0.92))
+        cache = OscarCache(model, rot, OscarConfig(value_clip=0.92))
     elif kind == "hf_quantized":
         cache = QuantizedCache(backend="hqq", config=model.config, nbits=2, axis_key=1, axis_value=1,
                                q_group_size=64, residual_length=128)
@@ -663,7 +694,7 @@ def main(argv=None):
         try:
             if name == "check":
                 results["check"] = section_check(device, args.quick)
-                results["check"].append(section_model_check(device, args.quick))
+                results["check"].extend(section_model_check(device, args.quick))
                 if device.type == "cuda":
                     results["check"].append(section_devmap(device, args.quick, out_dir))
             elif name == "tune":

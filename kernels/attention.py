@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops import attention_layout_problem
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -103,18 +105,33 @@ def _scale_min(row, offset, sm_2, ok):
 
 
 @triton.jit
+def _channel_plane(s, bias, q, codes, mblk, p: tl.constexpr, smk_g, smk_2, QD: tl.constexpr, UPCAST: tl.constexpr):
+    """Adds quarter plane p of channel-wise keys to the scores `s` and its minima to the per-row `bias`."""
+    ch = p * QD + tl.arange(0, QD)
+    scale = tl.load(mblk + ch * smk_g).to(tl.float32)
+    minimum = tl.load(mblk + ch * smk_g + smk_2).to(tl.float32)
+    qf = q.to(tl.float32)
+    s += _dot((qf * scale[None, :]).to(tl.float16), tl.trans(_plane(codes, p)), UPCAST)
+    bias += tl.sum(qf * minimum[None, :], axis=1)
+    return s, bias
+
+
+@triton.jit
 def _int2_range(
     q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-    ck_ptr, cv_ptr, sc_b, sc_h, sc_t, sc_d,
-    mk_ptr, mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
+    ck_ptr, sc_b, sc_h, sc_t, sc_d,
+    cv_ptr, scv_b, scv_h, scv_t, scv_d,
+    mk_ptr, smk_b, smk_h, smk_t, smk_g, smk_2,
+    mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
     b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale,
-    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
+    D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     QD: tl.constexpr = D // 4
     dq = tl.arange(0, QD)
     base_ck = ck_ptr + b * sc_b + h * sc_h
-    base_cv = cv_ptr + b * sc_b + h * sc_h
-    base_mk = mk_ptr + b * sm_b + h * sm_h
+    base_cv = cv_ptr + b * scv_b + h * scv_h
+    base_mk = mk_ptr + b * smk_b + h * smk_h
     base_mv = mv_ptr + b * sm_b + h * sm_h
     # quarter plane p lies in group p * GROUPS // 4 (GROUPS in {1, 2, 4})
     G1: tl.constexpr = 1 * GROUPS // 4
@@ -124,26 +141,38 @@ def _int2_range(
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-        mrow = base_mk + idx * sm_t
-        ks0, km0 = _scale_min(mrow, 0, sm_2, ok)
-        s = _dot(q0, tl.trans(_plane(ck, 0)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
-        if GROUPS == 1:
-            s += (_dot(q1, tl.trans(_plane(ck, 1)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2)), UPCAST)
-                  + _dot(q3, tl.trans(_plane(ck, 3)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
+        if KEY_BLOCK > 0:
+            # Channel-wise keys: the tile lies in one block (BLOCK_N divides KEY_BLOCK), whose per-channel scale s_c
+            # and minimum m_c fold into the query: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c.
+            mblk = base_mk + (start // KEY_BLOCK) * smk_t
+            s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
+            bias = tl.zeros((q0.shape[0],), tl.float32)
+            s, bias = _channel_plane(s, bias, q0, ck, mblk, 0, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q1, ck, mblk, 1, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q2, ck, mblk, 2, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q3, ck, mblk, 3, smk_g, smk_2, QD, UPCAST)
+            s += bias[:, None]
         else:
-            ks1, km1 = _scale_min(mrow, G1 * sm_g, sm_2, ok)
-            ks2, km2 = _scale_min(mrow, G2 * sm_g, sm_2, ok)
-            ks3, km3 = _scale_min(mrow, G3 * sm_g, sm_2, ok)
-            s += _dot(q1, tl.trans(_plane(ck, 1)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
-            s += _dot(q2, tl.trans(_plane(ck, 2)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
-            s += _dot(q3, tl.trans(_plane(ck, 3)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
+            mrow = base_mk + idx * smk_t
+            ks0, km0 = _scale_min(mrow, 0, smk_2, ok)
+            s = _dot(q0, tl.trans(_plane(ck, 0)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
+            if GROUPS == 1:
+                s += (_dot(q1, tl.trans(_plane(ck, 1)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2)), UPCAST)
+                      + _dot(q3, tl.trans(_plane(ck, 3)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
+            else:
+                ks1, km1 = _scale_min(mrow, G1 * smk_g, smk_2, ok)
+                ks2, km2 = _scale_min(mrow, G2 * smk_g, smk_2, ok)
+                ks3, km3 = _scale_min(mrow, G3 * smk_g, smk_2, ok)
+                s += _dot(q1, tl.trans(_plane(ck, 1)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
+                s += _dot(q2, tl.trans(_plane(ck, 2)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
+                s += _dot(q3, tl.trans(_plane(ck, 3)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
         kpos = pos_offset + idx
         valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_MASK:
             km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
             valid = valid & (km != 0)[None, :]
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
-        cv = tl.load(base_cv + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+        cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
         vrow = base_mv + idx * sm_t
         vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
@@ -170,8 +199,10 @@ def _segment_attention_kernel(
     o_ptr, so_b, so_h, so_m, so_s, so_d,
     lse_ptr, sl_b, sl_h, sl_m, sl_s,
     sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
-    codes_k, codes_v, sc_b, sc_h, sc_t, sc_d,
-    meta_k, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
+    codes_k, sc_b, sc_h, sc_t, sc_d,
+    codes_v, scv_b, scv_h, scv_t, scv_d,
+    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2,
+    meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
     rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
     ext_k, ext_v, se_b, se_h, se_t, se_d,
     mask_ptr, smask_b, smask_n,
@@ -179,8 +210,8 @@ def _segment_attention_kernel(
     n_sink, n_hist, n_recent, n_extra,
     hist_splits, hist_chunk, extra_chunk,
     scale,
-    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -228,8 +259,9 @@ def _segment_attention_kernel(
         qs3 = tl.sum(h3.to(tl.float32), axis=1)
         m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
             h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-            codes_k, codes_v, sc_b, sc_h, sc_t, sc_d, meta_k, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
-            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, BLOCK_N, HAS_MASK, UPCAST)
+            codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d, meta_k, smk_b, smk_h, smk_t, smk_g, smk_2,
+            meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
+            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST)
     elif split == recent_split:
         offset = n_sink + n_hist
         hi = tl.minimum(n_recent, max_qpos + 1 - offset)
@@ -305,15 +337,20 @@ def _sm_count(device: torch.device) -> int:
 
 def segment_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale,
+    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block: int = 0,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     target_programs: int | None = None,
 ):
     """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
     b, h, m, d = q.shape
+    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3], key_block)
+    if problem:
+        raise ValueError(problem)
     block_m = 16 if m <= 16 else 64
     # long query tiles with wide key tiles exceed the shared memory; 64 keys suffice there
     block_n = block_n or (DEFAULT_LAUNCH["block_n"] if block_m == 16 and d <= 128 else 64)
+    if key_block:
+        block_n = min(block_n, key_block)  # a key tile never straddles two channel-wise blocks
     num_warps = num_warps or DEFAULT_LAUNCH["num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
@@ -326,14 +363,16 @@ def segment_attention_triton(
     mask = key_mask if has_mask else q.new_empty(1, 1, dtype=torch.bool)
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    groups = hist_meta_k.shape[3]
+    groups = hist_meta_v.shape[3]
     _segment_attention_kernel[(b * h, m_tiles, n_splits)](
         q, *q.stride(),
         partial, *partial.stride(),
         partial_lse, *partial_lse.stride(),
         sink_k, sink_v, *sink_k.stride(),
-        hist_codes_k, hist_codes_v, *hist_codes_k.stride(),
-        hist_meta_k, hist_meta_v, *hist_meta_k.stride(),
+        hist_codes_k, *hist_codes_k.stride(),
+        hist_codes_v, *hist_codes_v.stride(),
+        hist_meta_k, *hist_meta_k.stride(),
+        hist_meta_v, *hist_meta_v.stride(),
         recent_k, recent_v, *recent_k.stride(),
         extra_k, extra_v, *extra_k.stride(),
         mask, *mask.stride(),
@@ -341,7 +380,7 @@ def segment_attention_triton(
         n_sink, n_hist, n_recent, n_extra,
         hist_splits, hist_chunk, extra_chunk,
         scale * LOG2E,
-        D=d, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
+        D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)

@@ -1,5 +1,6 @@
 """The Triton kernels as two torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
-- `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start)`: fused rotate -> clip -> quantize -> pack,
+- `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start, block)`: fused rotate -> clip -> quantize -> pack
+  (token-wise, or channel-wise over blocks of `block` tokens),
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
 - `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
   merged by log-sum-exp. Returns `(out, lse)`.
@@ -21,13 +22,14 @@ __all__ = ["quantize_pack", "segment_attention"]
 
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
 def quantize_pack(
-    x: torch.Tensor, rotation: Optional[torch.Tensor], clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int
+    x: torch.Tensor, rotation: Optional[torch.Tensor], clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor,
+    start: int, block: int,
 ) -> None:
-    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start)
+    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start, block)
 
 
 @quantize_pack.register_fake
-def _(x, rotation, clip_ratio, codes, meta, start) -> None:
+def _(x, rotation, clip_ratio, codes, meta, start, block) -> None:
     return None
 
 
@@ -40,15 +42,15 @@ def segment_attention(
     extra_k: torch.Tensor, extra_v: torch.Tensor,
     key_mask: Optional[torch.Tensor],
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
-    queries_per_group: int, query_start: int, scale: float,
+    queries_per_group: int, query_start: int, scale: float, key_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return segment_attention_triton(
         q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-        key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale,
+        key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block,
     )
 
 
 @segment_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-      key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale):
+      key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -9,6 +9,7 @@ planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the conventio
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -26,27 +27,25 @@ def _rint(x):
 
 
 @triton.jit
-def _quantize_pack_kernel(
-    x_ptr, rot_ptr, codes_ptr, meta_ptr,
-    n_rows, heads, start,
-    sx_b, sx_h, sx_t, sx_d,
-    sr_h, sr_i, sr_j,
-    sc_b, sc_h, sc_t, sc_d,
-    sm_b, sm_h, sm_t, sm_g, sm_2,
-    clip_index,
-    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META_BF16: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
-    row_ok = rows < n_rows
-    x = tl.load(x_ptr + b * sx_b + h * sx_h + rows[:, None] * sx_t + cols[None, :] * sx_d,
-                mask=row_ok[:, None], other=0.0)
+def _scale_minimum(lo, hi, META: tl.constexpr):
+    # The stored scale and minimum, rounded to the metadata dtype exactly as `quant.quantize_rows` does
+    # (META: 0 float16, 1 bfloat16, 2 float32; clamped to the dtype's range, scale at least its smallest normal).
+    if META == 1:
+        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38).to(tl.bfloat16)
+        minimum = lo.to(tl.bfloat16)
+    elif META == 2:
+        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38)
+        minimum = lo
+    else:
+        scale = tl.minimum(tl.maximum((hi - lo) / 3.0, 6.103515625e-05), 65504.0).to(tl.float16)
+        minimum = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
+    return scale, minimum
+
+
+@triton.jit
+def _rotated_rows(x_ptr, rot_ptr, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
+                  ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, UPCAST: tl.constexpr):
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + rows[:, None] * sx_t + cols[None, :] * sx_d, mask=row_ok[:, None], other=0.0)
     if ROTATE:
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
         if UPCAST:  # the Triton interpreter (CPU tests) mishandles 16-bit dot operands
@@ -58,7 +57,76 @@ def _quantize_pack_kernel(
             x = x.to(tl.bfloat16)
         else:
             x = x.to(tl.float16)
-    x = x.to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _quantize_pack_channels_kernel(
+    x_ptr, rot_ptr, codes_ptr, meta_ptr,
+    heads, start,
+    sx_b, sx_h, sx_t, sx_d,
+    sr_h, sr_i, sr_j,
+    sc_b, sc_h, sc_t, sc_d,
+    sm_b, sm_h, sm_t, sm_c, sm_2,
+    D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # One program per (block of BLOCK tokens, batch·head): pass 1 finds each channel's min/max over the block, pass 2
+    # quantizes and packs (rows rotated twice rather than held: a whole block does not fit in registers at d = 256).
+    pid_blk = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    cols = tl.arange(0, D)
+    lo = tl.full((D,), float("inf"), tl.float32)
+    hi = tl.full((D,), float("-inf"), tl.float32)
+    for t0 in range(0, BLOCK, SUB):
+        rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
+        x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
+                          ROTATE, STORE_BF16, UPCAST)
+        lo = tl.minimum(lo, tl.min(x, axis=0))
+        hi = tl.maximum(hi, tl.max(x, axis=0))
+    scale, minimum = _scale_minimum(lo, hi, META)
+    meta_base = meta_ptr + b * sm_b + h * sm_h + (start // BLOCK + pid_blk) * sm_t + cols * sm_c
+    tl.store(meta_base, scale)
+    tl.store(meta_base + sm_2, minimum)
+    s = scale.to(tl.float32)
+    m = minimum.to(tl.float32)
+    qcols = tl.arange(0, D // 4)
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    for t0 in range(0, BLOCK, SUB):
+        rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
+        x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
+                          ROTATE, STORE_BF16, UPCAST)
+        codes = _rint((x - m[None, :]) / s[None, :])
+        codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+        codes = tl.reshape(codes, (SUB, 4, D // 4))
+        packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
+        tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d, packed)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, rot_ptr, codes_ptr, meta_ptr,
+    n_rows, heads, start,
+    sx_b, sx_h, sx_t, sx_d,
+    sr_h, sr_i, sr_j,
+    sc_b, sc_h, sc_t, sc_d,
+    sm_b, sm_h, sm_t, sm_g, sm_2,
+    clip_index,
+    D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D)
+    row_ok = rows < n_rows
+    x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
+                      ROTATE, STORE_BF16, UPCAST)
     if CLIP:
         mag = tl.sort(tl.abs(x), dim=1)
         tau = tl.sum(tl.where(cols[None, :] == clip_index, mag, 0.0), axis=1)
@@ -67,12 +135,7 @@ def _quantize_pack_kernel(
     xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
     lo = tl.min(xg, axis=2)
     hi = tl.max(xg, axis=2)
-    if META_BF16:
-        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38).to(tl.bfloat16)
-        minimum = lo.to(tl.bfloat16)
-    else:
-        scale = tl.minimum(tl.maximum((hi - lo) / 3.0, 6.103515625e-05), 65504.0).to(tl.float16)
-        minimum = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
+    scale, minimum = _scale_minimum(lo, hi, META)
     s = scale.to(tl.float32)
     m = minimum.to(tl.float32)
     codes = _rint((xg - m[:, :, None]) / s[:, :, None])
@@ -89,6 +152,9 @@ def _quantize_pack_kernel(
     tl.store(meta_base + sm_2, minimum, mask=row_ok[:, None])
 
 
+_META_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
 def quantize_pack_triton(
     x: torch.Tensor,
     rotation: torch.Tensor | None,
@@ -96,16 +162,31 @@ def quantize_pack_triton(
     codes: torch.Tensor,
     meta: torch.Tensor,
     start: int,
+    block: int = 0,
 ) -> None:
     """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
-    `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and `meta[:, :, start:start+n]` `[B, H, L, G, 2]`."""
+    `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`block == 0`, meta
+    `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise over blocks of `block` tokens (meta
+    `[B, H, L/block, d, 2]`, no clip; `start` and n multiples of `block`)."""
     b, h, n, d = x.shape
     if n == 0:
+        return
+    rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
+    upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    if block:
+        if n % block or start % block:
+            raise ValueError(f"channel-wise quantization takes whole blocks of {block} tokens (n={n}, start={start})")
+        sub = math.gcd(block, 16 if d >= 256 else 32)
+        _quantize_pack_channels_kernel[(n // block, b * h)](
+            x, rot, codes, meta, h, start,
+            *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
+            D=d, BLOCK=block, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
+            META=_META_CODES[meta.dtype], UPCAST=upcast,
+        )
         return
     groups = meta.shape[3]
     clip_index = min(int(clip_ratio * d + 1e-9), d)
     block_t = 16 if d >= 256 else 32
-    rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
     grid = (triton.cdiv(n, block_t), b * h)
     _quantize_pack_kernel[grid](
         x, rot, codes, meta,
@@ -114,5 +195,5 @@ def quantize_pack_triton(
         clip_index,
         D=d, GROUPS=groups, BLOCK_T=block_t,
         ROTATE=rotation is not None, CLIP=clip_index < d, STORE_BF16=x.dtype == torch.bfloat16,
-        META_BF16=meta.dtype == torch.bfloat16, UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        META=_META_CODES[meta.dtype], UPCAST=upcast,
     )

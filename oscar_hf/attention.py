@@ -19,29 +19,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ops
 from .cache import ATTENTION_NAME, LayerView, claim_layer, rotate
-from .quant import QuantizedRows, dequantize_rows
+from .quant import QuantizedBlocks, QuantizedRows, dequantize
 
 QUERY_BLOCK = 4096  # query tokens per kernel call for long chunks
-
-
-def merge_attention_states(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merges partial attention results over disjoint key sets (the torch twin of the kernel's stage 2).
-
-    Args:
-        outputs: each `[..., T, d]` float32, softmax-normalised within its own key set.
-        lses: each `[..., T]` float32 log-sum-exp of its scores (-inf where the key set is empty or fully masked).
-
-    Returns:
-        `(output, lse)` of attention over the union; rows with no visible key get output 0 and lse -inf.
-    """
-    lse = torch.stack(lses)  # [S, ..., T]
-    top = lse.amax(0)
-    safe_top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lse - safe_top)  # exp(-inf) = 0 for empty partials
-    total = weights.sum(0)
-    out = sum(w.unsqueeze(-1) * o for w, o in zip(weights, outputs))
-    out = out / total.clamp(min=torch.finfo(total.dtype).tiny).unsqueeze(-1)
-    return out, safe_top + torch.log(total)
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -56,10 +36,6 @@ def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None
     if row.dtype != torch.bool:
         row = row > torch.finfo(row.dtype).min / 2
     return row
-
-
-def _dense(rows: QuantizedRows | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return rows.to(dtype) if isinstance(rows, torch.Tensor) else dequantize_rows(rows, dtype)
 
 
 def oscar_segment_attention(
@@ -77,14 +53,18 @@ def oscar_segment_attention(
     q_rot = rotate(query.reshape(b, heads, groups, t, d), view.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
     sink_k, sink_v = view.sink_keys, view.sink_values
     hist_k, hist_v = view.history_keys, view.history_values
-    if isinstance(hist_k, QuantizedRows) and hist_k.bits == 2:
+    key_block = hist_k.block if isinstance(hist_k, QuantizedBlocks) else 0
+    if not isinstance(hist_k, torch.Tensor) and hist_k.bits == 2:
         codes_k, meta_k, codes_v, meta_v = hist_k.codes, hist_k.meta, hist_v.codes, hist_v.meta
     else:
         # Other widths: the history joins the sink as one dense segment (positions stay contiguous).
-        sink_k = torch.cat([sink_k, _dense(hist_k, sink_k.dtype)], dim=2)
-        sink_v = torch.cat([sink_v, _dense(hist_v, sink_v.dtype)], dim=2)
+        if query.is_cuda and not isinstance(hist_k, torch.Tensor):
+            ops.warn_slow_path(f"{hist_k.bits}-bit histories are dequantized every step (the decode kernel reads 2 bits)")
+        sink_k = torch.cat([sink_k, dequantize(hist_k, sink_k.dtype)], dim=2)
+        sink_v = torch.cat([sink_v, dequantize(hist_v, sink_v.dtype)], dim=2)
         codes_k = codes_v = sink_k.new_empty(b, heads, 0, d // 4, dtype=torch.uint8)
         meta_k = meta_v = sink_k.new_empty(b, heads, 0, 1, 2, dtype=torch.float16)
+        key_block = 0
     key_mask = key_padding_mask(attention_mask)
     extra_k, extra_v = view.extra_keys, view.extra_values
     q_rot = q_rot.reshape(b, heads, groups, t, d)
@@ -97,6 +77,7 @@ def oscar_segment_attention(
             q_rot[:, :, :, t0:t1].reshape(b, heads, groups * (t1 - t0), d), sink_k, sink_v, codes_k, meta_k, codes_v,
             meta_v, view.recent_keys, view.recent_values, extra_k, extra_v, key_mask,
             sink_k.shape[2], codes_k.shape[2], view.recent_keys.shape[2], n_extra, t1 - t0, view.past_length + t0, scale,
+            key_block,
         )
         outs.append(block.reshape(b, heads, groups, t1 - t0, d))
     out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
@@ -116,7 +97,7 @@ def oscar_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """`AttentionInterface` entry point. Returns `([B, T, Hq, d], None)` like transformers' sdpa."""
-    layer = claim_layer(key)
+    layer = claim_layer(module, kwargs, query)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -124,6 +105,12 @@ def oscar_attention_forward(
     if kwargs.get("sliding_window") is not None:
         raise ValueError("an OSCAR layer received a sliding-window attention call; this layer should not be OSCAR")
     view = layer.take_view()
+    if query.shape[2] != view.chunk_length or query.shape[0] != view.sink_keys.shape[0]:
+        raise RuntimeError(
+            f"the 'oscar' attention of layer {getattr(module, 'layer_idx', '?')} got {query.shape[0]}×{query.shape[2]} "
+            f"query tokens but its cache update stored {view.sink_keys.shape[0]}×{view.chunk_length}: the cache and the "
+            "attention call do not belong together"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return oscar_segment_attention(module, view, query, attention_mask, scale, dropout=dropout), None
 

@@ -18,6 +18,7 @@ attention, on either path) holds k − μ. Attention is unchanged: softmax ignor
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,109 +28,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import OscarConfig
 from .models import check_attention_interface, text_config
 from . import ops
-from .quant import QuantizedRows, clip_rows, dequantize_rows, quantize_rows
+from .quant import QuantizedBlocks, QuantizedRows
 from .rotations_io import OscarRotations
+from .storage import QuantizedHistory
 
 ATTENTION_NAME = "oscar"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_BULK_RESERVE = 256  # spare history rows after a bulk (prefill) append
 
 
 def rotate(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """`[B, H, n, d] @ [H, d, d]` per KV head."""
     return torch.matmul(states, rotation)
-
-
-class _History:
-    """The quantized history of one stream (keys or values) of one layer.
-
-    Buffers (B batch, H KV heads, cap capacity in tokens, d head_dim, G = d / group_size):
-        codes `[B, H, cap, d·bits/8]` uint8 (planar packing, `quant.py`), meta `[B, H, cap, G, 2]` (scale, minimum);
-        for bits == 16, `dense` `[B, H, cap, d]` in the model dtype instead.
-    Rows `[0, length)` are valid.
-    """
-
-    def __init__(self, config: OscarConfig, clip_ratio: float, head_dim: int):
-        self.bits = config.bits
-        self.group_size = config.group_size or head_dim
-        self.scale_dtype = config.scale_dtype
-        self.clip_ratio = clip_ratio
-        self.head_dim = head_dim
-        self.length = 0
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.buffers.values())).shape[2] if self.buffers else 0
-
-    def _allocate(self, batch: int, heads: int, capacity: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        d = self.head_dim
-        if self.bits == 16:
-            return {"dense": torch.empty(batch, heads, capacity, d, dtype=dtype, device=device)}
-        groups = d // self.group_size
-        return {
-            "codes": torch.empty(batch, heads, capacity, d * self.bits // 8, dtype=torch.uint8, device=device),
-            "meta": torch.empty(batch, heads, capacity, groups, 2, dtype=_DTYPES[self.scale_dtype], device=device),
-        }
-
-    def initialize(self, rows: torch.Tensor) -> None:
-        """Empty buffers with the batch, heads, dtype and device of `rows` `[B, H, n, d]`."""
-        self.buffers = self._allocate(rows.shape[0], rows.shape[1], 0, rows.dtype, rows.device)
-        self.length = 0
-
-    def reserve(self, rows: torch.Tensor, needed: int, bulk: bool, extra: int | None = None) -> None:
-        """Grows the buffers to hold `needed` rows: exact plus a small reserve after a bulk append, geometric
-        (1/8) during decoding, or exactly `needed + extra` when `extra` is given."""
-        if needed <= self.capacity:
-            return
-        if extra is None:
-            extra = _BULK_RESERVE if bulk else max(_BULK_RESERVE, needed // 8)
-        b, h = rows.shape[:2]
-        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)
-        for name, buf in self.buffers.items():
-            new[name][:, :, : self.length] = buf[:, :, : self.length]
-        self.buffers = new
-
-    def append(self, rows: torch.Tensor, bulk: bool, rotation: torch.Tensor | None = None) -> None:
-        """Appends `rows` `[B, H, n, d]` after the valid history: rotated by `rotation` `[H, d, d]` first if given
-        (otherwise already rotated), clipped, quantized and packed (`ops.quantize_pack`: one fused kernel on CUDA)."""
-        n = rows.shape[2]
-        if n == 0:
-            return
-        self.reserve(rows, self.length + n, bulk)
-        end = self.length + n
-        if self.bits == 2:
-            ops.quantize_pack(rows, rotation, self.clip_ratio, self.buffers["codes"], self.buffers["meta"], self.length)
-        else:
-            if rotation is not None:
-                rows = rotate(rows, rotation)
-            if self.bits == 16:
-                self.buffers["dense"][:, :, self.length : end] = rows
-            else:
-                q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
-                self.buffers["codes"][:, :, self.length : end] = q.codes
-                self.buffers["meta"][:, :, self.length : end] = q.meta
-        self.length = end
-
-    def packed(self, start: int, end: int) -> QuantizedRows | torch.Tensor:
-        """Rows `[start, end)`: a `QuantizedRows` view, or a dense tensor view when bits == 16."""
-        if self.bits == 16:
-            return self.buffers["dense"][:, :, start:end]
-        b = self.buffers
-        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size)
-
-    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        rows = self.packed(start, end)
-        return rows.to(dtype) if isinstance(rows, torch.Tensor) else dequantize_rows(rows, dtype)
-
-    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.buffers = {name: fn(buf) for name, buf in self.buffers.items()}
-
-    def nbytes(self) -> tuple[int, int]:
-        """(allocated, used) bytes."""
-        allocated = sum(b.numel() * b.element_size() for b in self.buffers.values())
-        used = allocated * self.length // self.capacity if self.capacity else 0
-        return allocated, used
 
 
 @dataclass
@@ -146,8 +54,9 @@ class LayerView:
     Attributes:
         key_rotation, value_rotation: `[H, d, d]` in the compute dtype.
         sink_keys, sink_values: `[B, H, ns, d]`.
-        history_keys, history_values: `QuantizedRows` (codes `[B, H, nh, d·bits/8]`, meta `[B, H, nh, G, 2]`), or dense
-            `[B, H, nh, d]` tensors when bits == 16.
+        history_keys, history_values: packed views (`storage.py`): values `QuantizedRows` (codes `[B, H, nh, d·bits/8]`,
+            meta `[B, H, nh, G, 2]`), keys the same or `QuantizedBlocks` (channel-wise: meta `[B, H, nh/block, d, 2]`),
+            or dense `[B, H, nh, d]` tensors when bits == 16.
         recent_keys, recent_values: `[B, H, nr, d]`.
         extra_keys, extra_values: `[B, H, ne, d]` (ne = 0 or chunk_length).
         original_keys, original_values: `[B, H, n, d]` un-rotated chunk (only when past_length == 0).
@@ -157,7 +66,7 @@ class LayerView:
     value_rotation: torch.Tensor
     sink_keys: torch.Tensor
     sink_values: torch.Tensor
-    history_keys: QuantizedRows | torch.Tensor
+    history_keys: QuantizedRows | QuantizedBlocks | torch.Tensor
     history_values: QuantizedRows | torch.Tensor
     recent_keys: torch.Tensor
     recent_values: torch.Tensor
@@ -171,23 +80,38 @@ class LayerView:
     @property
     def history_length(self) -> int:
         h = self.history_keys
-        return (h.shape if isinstance(h, torch.Tensor) else h.meta.shape)[2]
+        return (h if isinstance(h, torch.Tensor) else h.codes).shape[2]
 
 
-# The handoff between `OscarLayer.update` (fused mode) and the attention function of the same module: the layer
-# that just returned `key` registers itself; the attention function claims it by identity of the key tensor.
-_handoff = threading.local()
+# The handoff between `OscarLayer.update` (fused mode) and the attention function of the same module. transformers
+# >= 5.2x hands one kwargs dict to both `cache.update(..., kwargs=kwargs)` and the attention call (`**kwargs`): the
+# layer rides in it under VIEW_KWARG, so the attention finds exactly the view its own update made, and a view that
+# does not fit the call raises. Older versions pass no such dict: the layer of the latest update then waits in a
+# per-thread slot with its `layer_idx`, which the attention function matches against `module.layer_idx` (an entry
+# left behind by an interrupted forward pass is recognised by its shape, reported and dropped).
+VIEW_KWARG = "oscar_layer"
+_pending = threading.local()
 
 
-def claim_layer(key: torch.Tensor) -> "OscarLayer | None":
-    """The OSCAR layer whose fused `update` returned `key`, if any (consumed once)."""
-    pending = getattr(_handoff, "pending", None)
-    if pending is None or pending[1] is not key:
+def claim_layer(module, kwargs: dict, query: torch.Tensor | None = None) -> "OscarLayer | None":
+    """The OSCAR layer whose fused `update` prepared this attention call, or None when the call's layer is not an
+    OSCAR layer (sliding-window layers, a model run without OscarCache). Consumed once."""
+    layer = kwargs.pop(VIEW_KWARG, None)
+    entry = getattr(_pending, "entry", None)
+    if layer is not None:
+        if entry is not None and entry[1] is layer:
+            _pending.entry = None
+        return layer
+    if entry is None or entry[0] != getattr(module, "layer_idx", None):
         return None
-    _handoff.pending = None
-    return pending[0]
-
-
+    _pending.entry = None
+    layer = entry[1]
+    view = layer._view
+    if view is None or (query is not None and (query.shape[0], query.shape[2]) != (view.sink_keys.shape[0], view.chunk_length)):
+        warnings.warn("oscar_hf: dropped a cache view left by an interrupted forward pass", RuntimeWarning, stacklevel=3)
+        layer._view = None
+        return None
+    return layer
 class BatchOpsMixin:
     """Beam reordering and batch selection for a cache layer whose state is several tensors, through `_map_batch`
     (transformers' own layers reorder only `keys`/`values`; a quantized layer must move every segment)."""
@@ -249,17 +173,21 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         self._key_rotation_master = key_rotation
         self._value_rotation_master = value_rotation
         self.max_cache_len = max_cache_len
-        self.record_past = False
         self._view: LayerView | None = None
         self._reset_state()
 
     def _reset_state(self) -> None:
         self.is_initialized = False
+        self.record_past = False  # assisted decoding: demotion waits for `crop` (see `activate_past_recording`)
+        self._uncropped = False  # an update happened while recording and no crop has followed it yet
         self.keys = self.values = None  # the base class's attributes; this layer keeps its own segments
         self.n_sink = self.n_recent = 0
-        d = self._key_rotation_master.shape[-1]
-        self.history_keys = _History(self.config, self.key_clip, d)
-        self.history_values = _History(self.config, self.value_clip, d)
+        d, cfg = self._key_rotation_master.shape[-1], self.config
+        group = cfg.group_size or d
+        self.history_keys = QuantizedHistory(cfg.bits, cfg.key_granularity, group, cfg.demotion_block, cfg.scale_dtype,
+                                             self.key_clip, d)
+        self.history_values = QuantizedHistory(cfg.bits, "token", group, cfg.demotion_block, cfg.scale_dtype,
+                                               self.value_clip, d)
 
     def __repr__(self):
         return f"OscarLayer(sink={self.n_sink}, history={self.history_keys.length}, recent={self.n_recent})"
@@ -287,20 +215,24 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         for history in (self.history_keys, self.history_values):
             history.initialize(key_states)
         if self.max_cache_len is not None:
-            rows = max(self.max_cache_len - cfg.sink_tokens - cfg.window_tokens, 0) + cfg.demotion_block
+            # the most the history can hold: everything beyond the sink and window, in whole demotion blocks
+            rows = max(self.max_cache_len - cfg.sink_tokens - cfg.window_tokens, 0) // cfg.demotion_block * cfg.demotion_block
             for history in (self.history_keys, self.history_values):
                 history.reserve(key_states, rows, bulk=True, extra=0)
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, fused: bool = False, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, fused: bool = False,
+        layer_idx: int | None = None, attention_kwargs: dict | None = None, **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores `key_states`/`value_states` `[B, H, n, d]` (post-RoPE) and returns what attention needs.
 
         fused=True (attention "oscar"): returns the new states as they are and leaves a `LayerView` for the
-        attention function. fused=False (any other attention): returns the full history dequantized and un-rotated, followed by
-        the exact new states, `[B, H, past + n, d]`. With a key mean, the keys are centered (k − μ) first, the only
-        place where centering happens; the returned keys are centered too (same attention, by softmax invariance).
+        attention function, handed over through `attention_kwargs` (the dict transformers also passes to the
+        attention call) or, without it, under `layer_idx`. fused=False (any other attention): returns the full
+        history dequantized and un-rotated, followed by the exact new states, `[B, H, past + n, d]`. With a key
+        mean, the keys are centered (k − μ) first, the only place where centering happens; the returned keys are
+        centered too (same attention, by softmax invariance).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -315,11 +247,28 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
                 "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
                 "(with float16, overflow is a common cause; try bfloat16)"
             )
+        if self.record_past:
+            if self._uncropped:
+                # Two updates without a crop between them: assisted decoding (which crops after every verification
+                # step) is over, and transformers never turns recording off. Demote what waited, as usual.
+                self.record_past = False
+                self._demote_overflow()
+            self._uncropped = self.record_past
+        if fused and self._view is not None:
+            # Either the last forward pass failed between update and attention, or the model calls update without
+            # the attention function (unsupported model code). Say so; the stale view is dropped.
+            warnings.warn("OscarLayer: the previous update's view was never used by an attention call (an interrupted "
+                          "forward pass, or model code that calls cache.update outside its attention); dropped",
+                          RuntimeWarning, stacklevel=3)
+            self.take_view()
         past_length = self.get_seq_length()
         self._append(key_states, value_states)
         if fused:
             self._view = self._make_view(past_length, key_states, value_states)
-            _handoff.pending = (self, key_states)
+            if attention_kwargs is not None:
+                attention_kwargs[VIEW_KWARG] = self
+            else:
+                _pending.entry = (layer_idx, self)
             return key_states, value_states
         # Plain attention: the stored past, dequantized and un-rotated, then the exact new states.
         past_keys, past_values = self.dequantized_past(self._segments(past_length))
@@ -328,10 +277,19 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         values = torch.cat([rotate(past_values, rt_v), value_states], dim=2)
         return keys, values
 
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Stores states `[B, H, n, d]` exactly as `update` would, for callers that run no attention afterwards
+        (filling a cache from another cache's prefill)."""
+        self.update(key_states, value_states, fused=False)
+
     def take_view(self) -> LayerView:
+        """The view left by the last fused update (consumed once); it also leaves the pending-layer table."""
         view, self._view = self._view, None
         if view is None:
             raise RuntimeError("OscarLayer.take_view called without a preceding fused update")
+        entry = getattr(_pending, "entry", None)
+        if entry is not None and entry[1] is self:
+            _pending.entry = None
         return view
 
     def get_seq_length(self) -> int:
@@ -348,7 +306,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
 
     def reset(self) -> None:
         self._view = None
-        self._reset_state()
+        self._reset_state()  # also ends past recording
 
     def activate_past_recording(self) -> None:
         """Assisted decoding: defer demotion until `crop`, so that a rollback leaves no trace."""
@@ -361,6 +319,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
                 f"OscarLayer.crop takes a negative number of tokens to remove, got {tokens_to_remove} "
                 "(the positive absolute-length form is deprecated in transformers 5.x)"
             )
+        self._uncropped = False
         if not self.is_initialized:
             return
         remove = min(-tokens_to_remove, self.get_seq_length())
@@ -370,8 +329,19 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         take = min(remove, self.history_keys.length)
         # Tokens already demoted are dropped as they are; with `activate_past_recording` (assisted decoding) the
         # candidates are never demoted before this crop, so the state equals a run that never saw them.
-        self.history_keys.length -= take
-        self.history_values.length -= take
+        if take:
+            kept = self.history_keys.length - take
+            tail_keys = self.history_keys.truncate(kept)
+            self.history_values.truncate(kept)
+            if tail_keys is not None:
+                # A channel-wise key block was cut: its surviving tokens go back to the recent window as stored
+                # (the values' rows too, dequantized), to be demoted again with the next block.
+                n = tail_keys.shape[2]
+                start = self.history_keys.length
+                tail_values = self.history_values.dequantize(start, start + n, self.dtype)
+                self.history_values.truncate(start)
+                self._set_recent(torch.cat([tail_keys.to(self.dtype), self.recent_keys[:, :, : self.n_recent]], 2),
+                                 torch.cat([tail_values, self.recent_values[:, :, : self.n_recent]], 2))
         remove -= take
         self.n_sink -= remove
         self._demote_overflow()
@@ -398,10 +368,14 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
             demote = (pool - cfg.window_tokens) // cfg.demotion_block * cfg.demotion_block
         from_recent, from_new = min(demote, self.n_recent), max(demote - self.n_recent, 0)
         bulk = demote > cfg.demotion_block
-        if from_recent:
+        if from_recent and from_new:
+            # One append: a channel-wise block may span the old window and the new tokens.
+            self.history_keys.append(torch.cat([self.recent_keys[:, :, :from_recent], rotate(keys[:, :, :from_new], rk)], 2), bulk)
+            self.history_values.append(torch.cat([self.recent_values[:, :, :from_recent], rotate(values[:, :, :from_new], rv)], 2), bulk)
+        elif from_recent:
             self.history_keys.append(self.recent_keys[:, :, :from_recent], bulk)
             self.history_values.append(self.recent_values[:, :, :from_recent], bulk)
-        if from_new:
+        elif from_new:
             self.history_keys.append(keys[:, :, :from_new], bulk, rotation=rk)
             self.history_values.append(values[:, :, :from_new], bulk, rotation=rv)
         new_keys = rotate(keys[:, :, from_new:], rk)
@@ -535,7 +509,8 @@ class OscarCache(Cache):
     Args:
         model: the model (or its config) the cache is for; rotations are validated against it.
         rotations: calibrated `OscarRotations` (or `OscarRotations.data_free(...)` for baselines).
-        config: `OscarConfig`; default: 2 bits, sink 64, window 256, fitted clips.
+        config: `OscarConfig`; default: the defaults (2 bits, sink 64, window 256, fitted clips) in the storage layout
+            the rotations were calibrated for (`rotations.layout`).
         max_cache_len: optional token count to allocate the history for up front.
     """
 
@@ -552,7 +527,15 @@ class OscarCache(Cache):
         if not isinstance(rotations, OscarRotations):
             raise TypeError(f"OscarCache needs OscarRotations, got {type(rotations).__name__}")
         geometry = rotations.validate_for(model_config)
-        config = config or OscarConfig()
+        if config is None:
+            config = OscarConfig(**rotations.layout)  # the layout the rotations and clips were fitted for
+        else:
+            differs = {k: (getattr(config, k), v) for k, v in rotations.layout.items() if getattr(config, k) != v}
+            if differs and config.bits < 16 and not rotations.metadata.get("method", {}).get("data_free"):
+                warnings.warn(
+                    "OscarCache: the config's storage layout differs from the one these rotations were calibrated "
+                    f"for ({', '.join(f'{k}={a!r} vs {b!r}' for k, (a, b) in differs.items())}): key bases and clips "
+                    "were fitted for the file's layout", RuntimeWarning, stacklevel=2)
         config.check_head_dim(geometry.head_dim)
         if config.center_keys and not rotations.center_keys:
             raise ValueError(
@@ -589,7 +572,10 @@ class OscarCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer):
-            return layer.update(key_states, value_states, fused=self.fused_attention)
+            # transformers >= 5.2x: `kwargs=` is the very dict the attention call receives as **kwargs.
+            attention_kwargs = kwargs.get("kwargs")
+            return layer.update(key_states, value_states, fused=self.fused_attention, layer_idx=layer_idx,
+                                attention_kwargs=attention_kwargs if isinstance(attention_kwargs, dict) else None)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:

@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .config import OscarConfig
 from .data import load_texts, sequence_prefix, token_sequences
 from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
-from .quant import fake_quantize
+from .quant import fake_quantize, fake_quantize_channels
 from .rotation import build_rotation
 from .rotations_io import OscarRotations, geometry_dict_for
 
@@ -264,8 +264,10 @@ def clip_errors(
     norm = reference.square().sum().item()
     probs_quant = probs * quant
     errors: dict[str, dict[float, float]] = {"key": {}, "value": {}}
+    # Channel-wise keys are not clipped: every ratio gives the same error (ratio 1.0 wins the tie).
+    channel_keys = _quantized_keys(kr, config) if config.key_granularity == "channel" else None
     for ratio in ratios:
-        k_hat = fake_quantize(kr, config.bits, group, ratio, config.scale_dtype)
+        k_hat = channel_keys if channel_keys is not None else _quantized_keys(kr, config, ratio)
         scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
         out = torch.einsum("hgij,hjd->hgid", attend(scores_hat), vr)
         errors["key"][ratio] = (out - reference).square().sum().item() / norm
@@ -273,6 +275,70 @@ def clip_errors(
         v_delta = fake_quantize(vr, config.bits, group, ratio, config.scale_dtype) - vr
         errors["value"][ratio] = torch.einsum("hgij,hjd->hgid", probs_quant, v_delta).square().sum().item() / norm
     return errors
+
+
+def key_basis_candidates(calibrated: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The key rotations a (layer, KV head) may keep, `{name: [H, d, d]}` float64: the calibrated one, the data-free
+    H·P and none. Which basis quantizes best depends on the model: channel-wise keys of Qwen2.5 (k_proj bias, hence
+    large slowly-rotating RoPE components) want the raw basis, where a rotation would mix fast and slow channels;
+    SmolLM2's keys gain from the calibrated one."""
+    h, d = calibrated.shape[:2]
+    eye = torch.eye(d, dtype=torch.float64).expand(h, d, d)
+    return {"calibrated": calibrated.double(), "hadamard": build_rotation(eye[0], use_eigenvectors=False)[0].expand(h, d, d),
+            "identity": eye}
+
+
+def key_basis_errors(query, key, value, candidates: dict[str, torch.Tensor], scale: float,
+                     config: OscarConfig) -> dict[str, torch.Tensor]:
+    """Relative attention-output error per KV head `[H]` of each candidate key rotation, on one held-out sequence
+    (query `[Hq, T, d]`, key/value `[H, T, d]`), keys quantized as the cache will (values exact, so only the keys
+    count). Keys outside the history (sink, recent window, the query itself) stay exact, as in `clip_errors`."""
+    hq, t, d = query.shape
+    h = key.shape[0]
+    g = hq // h
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    exact = _exact_mask(t, config.sink_tokens, config.window_tokens, query.device) & causal
+    rows = (causal & ~exact).any(1)
+    if not rows.any():
+        raise ValueError(f"heldout_tokens ({t}) must exceed sink_tokens + window_tokens so that keys are quantized")
+    causal, exact = causal[rows], exact[rows]
+    v = value.float()
+    out = {}
+    for name, rotation in candidates.items():
+        kr = torch.matmul(key.float(), rotation.float())
+        qr = torch.matmul(query.float().reshape(h, g, t, d), rotation.float().unsqueeze(1))[:, :, rows]
+        scores = torch.einsum("hgid,hjd->hgij", qr, kr) * scale
+        k_hat = _quantized_keys(kr, config)
+        scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
+        reference = torch.einsum("hgij,hjd->hgid", torch.softmax(scores.masked_fill(~causal, float("-inf")), -1), v)
+        approx = torch.einsum("hgij,hjd->hgid", torch.softmax(scores_hat.masked_fill(~causal, float("-inf")), -1), v)
+        out[name] = (approx - reference).square().sum(dim=(1, 2, 3)) / reference.square().sum(dim=(1, 2, 3))
+    return out
+
+
+def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0) -> torch.Tensor:
+    """Keys `[H, T, d]` as the cache stores them in its history (the caller masks what stays exact)."""
+    t = kr.shape[1]
+    if config.key_granularity == "channel":
+        block, start = config.demotion_block, min(config.sink_tokens, t)
+        end = start + (t - start) // block * block
+        out = kr.clone()
+        out[:, start:end] = fake_quantize_channels(kr[:, start:end], config.bits, block, config.scale_dtype)
+        return out
+    return fake_quantize(kr, config.bits, config.group_size or kr.shape[-1], ratio, config.scale_dtype)
+
+
+def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torch.Tensor],
+                     per_head: bool = True) -> tuple[torch.Tensor, list[str]]:
+    """Per KV head (or for the whole layer, summing the heads' errors, when rotations are shared per layer), the
+    candidate with the lowest error (ties to the earlier candidate); returns `([H, d, d], names per head)`."""
+    names = list(candidates)
+    table = torch.stack([errors[n] for n in names])  # [candidates, H]
+    if not per_head:
+        table = table.sum(1, keepdim=True).expand_as(table)
+    best = table.argmin(0).tolist()
+    rotation = torch.stack([candidates[names[c]][head] for head, c in enumerate(best)])
+    return rotation, [names[c] for c in best]
 
 
 def best_ratio(errors: dict[float, float]) -> float:
@@ -382,6 +448,8 @@ def calibrate(
     if config.center_keys:
         key_means = {layer: collector.layers[layer].key_mean() for layer in geometry.oscar_layers}
 
+    key_bases: dict[int, list[str]] = {}
+    key_basis_errors_seen: dict[int, dict[str, list[float]]] = {}
     key_clips = value_clips = None
     curves: dict[int, dict] = {}
     if heldout and config.bits < 16:
@@ -391,6 +459,11 @@ def calibrate(
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
                 k = k - key_means[layer].to(dev, k.dtype)[:, None, :]
+            if config.choose_key_basis:
+                candidates = key_basis_candidates(key_rotations[layer])
+                errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
+                key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, config.per_head)
+                key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
             errs = clip_errors(
                 q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config, config.clip_grid
             )
@@ -418,6 +491,11 @@ def calibrate(
             "composition": "U·H·P" if config.use_hadamard and config.use_permutation else
             "U" + ("·H" if config.use_hadamard else "") + ("·P" if config.use_permutation else ""),
         },
+        "key_basis": {
+            "chosen": {str(layer): names for layer, names in key_bases.items()},
+            "errors": {str(layer): errs for layer, errs in key_basis_errors_seen.items()},
+            "objective": "relative attention-output error on held-out tokens, keys quantized as stored, values exact",
+        } if key_bases else None,
         "clip_fit": {
             "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
             "grid": list(config.clip_grid),
@@ -441,6 +519,7 @@ def calibrate(
         value_clips,
         metadata=metadata,
         key_means=None if key_means is None else {k: v.float() for k, v in key_means.items()},
+        layout={"key_granularity": config.key_granularity, "demotion_block": config.demotion_block},
     )
     rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves)
     rotations.statistics = collector.layers

@@ -13,11 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 SUPPORTED_BITS = (2, 3, 4, 8, 16)
+# dtype names used in configs, files and on the command line -> torch dtypes (the one map of the package)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 KEY_TARGETS = ("query", "key", "hadamard", "identity")
 VALUE_TARGETS = ("attention", "logit", "value", "hadamard", "identity")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 CLIP_MODES = ("fitted", "none")
+KEY_GRANULARITIES = ("channel", "token")
 # Ratios tried when fitting clip thresholds. The threshold of a row x (length d) is sort(|x|)[floor(r*d)];
 # r = 1.0 means "no clip". The reference implementation hand-sets 0.96 (keys) and 0.92 (values).
 DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
@@ -29,7 +34,9 @@ class OscarConfig:
 
     Cache layout per attention layer and KV head: `[sink_tokens BF16 | INT-`bits` history | recent window BF16]`.
     New tokens enter the recent window; once it holds `window_tokens + demotion_block` tokens, its oldest
-    `demotion_block` tokens are clipped, quantized and packed into the history.
+    `demotion_block` tokens are quantized and packed into the history: values token-wise (rotated, clipped, one
+    scale/minimum per token and group of channels), keys channel-wise by default (one scale/minimum per channel over
+    the demoted block, KIVI's insight, which follows the per-channel structure of post-RoPE keys as it arrives).
 
     Args:
         bits: code width of the history: 2 (OSCAR), 3 or 4 (comparisons), 8, or 16 (no quantization: the history
@@ -38,7 +45,12 @@ class OscarConfig:
             token per KV head, the paper's setting).
         sink_tokens: first tokens of the sequence kept in full precision ("attention sinks"). Paper: 64.
         window_tokens: most recent tokens kept in full precision. Paper: 256.
-        demotion_block: tokens moved from the recent window into the history at once. Paper: 8.
+        demotion_block: tokens moved from the recent window into the history at once; with channel-wise keys, also
+            the block of tokens that shares one key scale/minimum per channel. Default 64 (the paper's token-wise
+            recipe used 8): a 16-bit scale and minimum per channel per 64 tokens cost 0.5 bit per key element, so
+            the history is 2.375 bits at head_dim 128 (keys 2.5, values 2.25) and 2.5 at head_dim 64.
+        key_granularity: `"channel"` (default) or `"token"` (the paper's recipe: a scale/minimum per token and group
+            of channels, after the clip).
         key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
             `"none"`, or a fixed ratio in (0, 1] (the reference uses 0.96 for keys and 0.92 for values).
         scale_dtype: dtype of the per-group scale and minimum. 16-bit makes the INT2 history cost
@@ -56,6 +68,10 @@ class OscarConfig:
             then accumulates μ in its statistics pass, fits the key clips on centered keys and stores μ with the
             rotations; the cache applies μ whenever the rotations carry it. Worth it for models whose keys carry a
             large per-channel mean (Qwen2.5's k_proj bias, Gemma 3). Default False.
+        choose_key_basis: at calibration, keep per (layer, KV head) the key rotation — the calibrated U·H·P, the
+            data-free H·P, or none — whose quantized keys give the lowest attention-output error on the held-out
+            tokens (needs `heldout_tokens`). Channel-wise keys of models with a k_proj bias (Qwen2.5) quantize far
+            better unrotated; others gain from the rotation. Default True.
         clip_grid: ratios tried when fitting clips.
         calibration_tokens: tokens whose statistics build the rotations.
         calibration_sequence_length: tokens per calibration forward pass.
@@ -66,7 +82,8 @@ class OscarConfig:
     group_size: int | None = None
     sink_tokens: int = 64
     window_tokens: int = 256
-    demotion_block: int = 8
+    demotion_block: int = 64
+    key_granularity: str = "channel"
     key_clip: str | float = "fitted"
     value_clip: str | float = "fitted"
     scale_dtype: str = "float16"
@@ -76,6 +93,7 @@ class OscarConfig:
     use_hadamard: bool = True
     use_permutation: bool = True
     center_keys: bool = False
+    choose_key_basis: bool = True
     clip_grid: tuple[float, ...] = field(default=DEFAULT_CLIP_GRID)
     calibration_tokens: int = 8192
     calibration_sequence_length: int = 2048
@@ -111,13 +129,15 @@ class OscarConfig:
                     fail(name, f"must be one of {CLIP_MODES} or a ratio in (0, 1]")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
                 fail(name, "must be a ratio in (0, 1] or one of " + str(CLIP_MODES))
+        if self.key_granularity not in KEY_GRANULARITIES:
+            fail("key_granularity", f"must be one of {KEY_GRANULARITIES}")
         if self.scale_dtype not in SCALE_DTYPES:
             fail("scale_dtype", f"must be one of {SCALE_DTYPES}")
         if self.key_target not in KEY_TARGETS:
             fail("key_target", f"must be one of {KEY_TARGETS}")
         if self.value_target not in VALUE_TARGETS:
             fail("value_target", f"must be one of {VALUE_TARGETS}")
-        for name in ("per_head", "use_hadamard", "use_permutation", "center_keys"):
+        for name in ("per_head", "use_hadamard", "use_permutation", "center_keys", "choose_key_basis"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
         if not self.clip_grid or any(not 0.0 < r <= 1.0 for r in self.clip_grid):
@@ -138,6 +158,8 @@ class OscarConfig:
     # ------------------------------------------------------------------ derived values
     def clip_ratio(self, which: str, fitted: float | None) -> float:
         """The clip ratio to use for `which` in {"key", "value"}, given the fitted value from the rotation file."""
+        if which == "key" and self.key_granularity == "channel" and self.bits < 16:
+            return 1.0  # channel-wise keys are not clipped: the per-channel range over a block absorbs the outliers
         mode = self.key_clip if which == "key" else self.value_clip
         if mode == "none":
             return 1.0
@@ -151,11 +173,14 @@ class OscarConfig:
         return float(mode)
 
     def history_bits_per_element(self, head_dim: int) -> float:
-        """Bits per element of the quantized history: codes plus the 16-bit (or 32-bit) scale and minimum."""
+        """Bits per element of the quantized history (keys and values averaged): codes plus the 16-bit (or 32-bit)
+        scale and minimum, per group of channels (values; token-wise keys) or per block of tokens (channel-wise keys)."""
         if self.bits == 16:
             return 16.0
         meta_bits = {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
-        return self.bits + 2 * meta_bits / (self.group_size or head_dim)
+        value_bits = self.bits + 2 * meta_bits / (self.group_size or head_dim)
+        key_bits = self.bits + 2 * meta_bits / self.demotion_block if self.key_granularity == "channel" else value_bits
+        return (key_bits + value_bits) / 2
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from .quant import clip_rows, dequantize_rows, quantize_rows, QuantizedRows
+from .quant import QuantizedBlocks, QuantizedRows, clip_rows, dequantize_channels, dequantize_rows, quantize_channels, quantize_rows
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -26,43 +26,84 @@ def _load_kernels():
     return None
 
 
-def kernels_enabled(tensor: torch.Tensor) -> bool:
-    """Whether the Triton kernels run for `tensor` (CUDA, bf16/fp16, kernels importable)."""
+_WARNED: set[str] = set()
+
+
+def warn_slow_path(reason: str) -> None:
+    """One warning per reason when CUDA tensors take the torch twin: never slow without a word."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"oscar_hf: {reason}; using the slower torch path", RuntimeWarning, stacklevel=3)
+
+
+def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
+    """Whether the Triton kernels run for `tensor` (CUDA, bf16/fp16, kernels importable, and no `problem` with the
+    layout). `OSCAR_HF_KERNELS=1` turns every reason not to into an error; on CUDA each reason warns once."""
     mode = os.environ.get("OSCAR_HF_KERNELS", "auto")
-    if mode == "0" or tensor.dtype not in KERNEL_DTYPES:
-        return False
-    if mode != "1" and not tensor.is_cuda:
+    if mode == "0" or (mode != "1" and not tensor.is_cuda):
         return False
     error = _load_kernels()
     if error is not None:
-        if tensor.is_cuda:
-            warnings.warn(f"oscar_hf: Triton kernels unavailable ({error}); using the slower torch path", stacklevel=3)
-        return False
-    return True
+        reason = f"Triton kernels unavailable ({error})"
+    elif tensor.dtype not in KERNEL_DTYPES:
+        reason = f"the kernels take bfloat16/float16 states, not {str(tensor.dtype).replace('torch.', '')}"
+    else:
+        reason = problem
+    if reason is None:
+        return True
+    if mode == "1":
+        raise RuntimeError(f"OSCAR_HF_KERNELS=1 but {reason}")
+    if tensor.is_cuda:
+        warn_slow_path(reason)
+    return False
+
+
+def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_block: int) -> str | None:
+    """Why the INT2 decode kernel cannot read this layout, or None. The kernel applies one scale per quarter plane of
+    the packed bytes (1, 2 or 4 token-wise groups per row), tiles keys by 16..128 tokens (a channel-wise block must
+    be a multiple of its tile) and needs head_dim >= 64."""
+    if head_dim < 64 or head_dim & (head_dim - 1):
+        return f"the INT2 decode kernel needs a power-of-two head_dim >= 64, got {head_dim}"
+    for name, groups in (("value", value_groups), ("key", key_groups)):
+        if groups not in (1, 2, 4) and not (name == "key" and key_block):
+            return (f"the INT2 decode kernel reads 1, 2 or 4 quantization groups per {name} row, not {groups} "
+                    f"(group_size {head_dim // max(groups, 1)} at head_dim {head_dim})")
+    if key_block and (key_block % 16 or (key_block & (key_block - 1) and key_block % 128)):
+        return (f"the INT2 decode kernel needs a channel-wise key block (demotion_block) that is a power of two "
+                f">= 16 or a multiple of 128, got {key_block}")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ quantize_pack
 def quantize_pack_reference(
-    x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int
+    x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int,
+    block: int = 0,
 ) -> None:
     """Rotates (if `rotation` `[H, d, d]` is given), clips, quantizes to 2 bits and packs rows `x` `[B, H, n, d]` into
-    `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and `meta[:, :, start:start+n]` (`[B, H, L, G, 2]`)."""
+    `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`block == 0`,
+    meta `[B, H, L, G, 2]`) or channel-wise over blocks of `block` tokens (meta `[B, H, L/block, d, 2]`; `start` and
+    n multiples of `block`, no clip)."""
     n, d = x.shape[2], x.shape[3]
     if n == 0:
         return
     if rotation is not None:
         x = torch.matmul(x, rotation)
+    if block:
+        q = quantize_channels(x, 2, block, meta.dtype)
+        codes[:, :, start : start + n] = q.codes
+        meta[:, :, start // block : (start + n) // block] = q.meta
+        return
     group = d // meta.shape[3]
     q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, group, meta.dtype)
     codes[:, :, start : start + n] = q.codes
     meta[:, :, start : start + n] = q.meta
 
 
-def quantize_pack(x, rotation, clip_ratio, codes, meta, start) -> None:
-    if kernels_enabled(x):
-        torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start))
+def quantize_pack(x, rotation, clip_ratio, codes, meta, start, block=0) -> None:
+    if use_kernels(x):
+        torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start), int(block))
     else:
-        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start)
+        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, block)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
@@ -74,7 +115,7 @@ def segment_attention_reference(
     extra_k: torch.Tensor, extra_v: torch.Tensor,
     key_mask: torch.Tensor | None,
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
-    queries_per_group: int, query_start: int, scale: float,
+    queries_per_group: int, query_start: int, scale: float, key_block: int = 0,
     row_block: int = 1024, emulate_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped query rows over [sink | INT2 history | recent | extra] (all rotated).
@@ -83,7 +124,9 @@ def segment_attention_reference(
         q: `[B, H, M, d]`, row r = g·T + t of KV head h is query head h·G + g at position `query_start + t`
             (T = `queries_per_group`).
         sink_k/v, recent_k/v, extra_k/v: `[B, H, ≥n, d]`, the first n_sink / n_recent / n_extra rows valid.
-        hist_codes_k/v: `[B, H, ≥n_hist, d/4]` uint8 (2-bit planar), hist_meta_k/v: `[B, H, ≥n_hist, G, 2]`.
+        hist_codes_k/v: `[B, H, ≥n_hist, d/4]` uint8 (2-bit planar), hist_meta_v: `[B, H, ≥n_hist, G, 2]` (token-wise);
+            hist_meta_k the same, or `[B, H, ≥n_hist/key_block, d, 2]` when `key_block` > 0 (channel-wise keys over
+            blocks of `key_block` tokens; n_hist a multiple of it).
         key_mask: `[B, n_sink + n_hist + n_recent + n_extra]` bool (True = attend) or None. Causality comes from
             positions: sink at 0, history after it, then recent, then extra.
         emulate_bf16: round the probabilities to bfloat16 before they weigh the values, as the kernel's tensor-core
@@ -92,7 +135,10 @@ def segment_attention_reference(
         `(out [B, H, M, d] in q.dtype, lse [B, H, M] float32)`; rows with no visible key give 0 and -inf.
     """
     d = q.shape[-1]
-    hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2, d // hist_meta_k.shape[3]))
+    if key_block:
+        hist_k = dequantize_channels(QuantizedBlocks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, : -(-n_hist // key_block)], 2, key_block))
+    else:
+        hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2, d // hist_meta_k.shape[3]))
     hist_v = dequantize_rows(QuantizedRows(hist_codes_v[:, :, :n_hist], hist_meta_v[:, :, :n_hist], 2, d // hist_meta_v.shape[3]))
     keys = torch.cat([sink_k[:, :, :n_sink].float(), hist_k, recent_k[:, :, :n_recent].float(), extra_k[:, :, :n_extra].float()], 2)
     values = torch.cat([sink_v[:, :, :n_sink].float(), hist_v, recent_v[:, :, :n_recent].float(), extra_v[:, :, :n_extra].float()], 2)
@@ -121,12 +167,14 @@ def segment_attention_reference(
 
 def segment_attention(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale,
+    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block=0,
 ):
     """`segment_attention_reference`'s contract, on the Triton kernel where it applies."""
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
             key_mask, int(n_sink), int(n_hist), int(n_recent), int(n_extra), int(queries_per_group), int(query_start),
-            float(scale))
-    if kernels_enabled(q) and q.shape[-1] >= 64:
+            float(scale), int(key_block))
+    problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3],
+                                       int(key_block))
+    if use_kernels(q, problem):
         return torch.ops.oscar.segment_attention(*args)
     return segment_attention_reference(*args)

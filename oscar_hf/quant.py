@@ -12,6 +12,13 @@ bytes; with k = 8/b codes per byte, byte j holds codes j, j + d/k, j + 2d/k, ...
     2 bits:  byte[j] = c[j] | c[j + d/4] << 2 | c[j + d/2] << 4 | c[j + 3d/4] << 6
 
 3-bit codes are stored as a 2-bit plane (low bits) followed by a 1-bit plane (high bit): 3 bits per element exactly.
+
+Two granularities of (scale, minimum), one packing:
+- token-wise (`quantize_rows`): one pair per group of `group_size` consecutive channels of one row (one token);
+  meta `[..., L, d/group_size, 2]`. OSCAR's values (and the paper's keys).
+- channel-wise (`quantize_channels`): one pair per channel per block of `block` consecutive tokens (KIVI's keys);
+  meta `[..., L/block, d, 2]`. The codes stay token-major and packed along head_dim exactly as above, so one
+  packed row is one token for both granularities and a kernel reads keys and values the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-_META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from .config import DTYPES
 
 
 # --------------------------------------------------------------------------------------------- packing
@@ -129,7 +136,7 @@ class QuantizedRows:
 def quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedRows:
     """Token-wise asymmetric quantization of `x` `[..., d]` (float) into packed codes and (scale, minimum) pairs."""
     if isinstance(meta_dtype, str):
-        meta_dtype = _META_DTYPES[meta_dtype]
+        meta_dtype = DTYPES[meta_dtype]
     d = x.shape[-1]
     if d % group_size:
         raise ValueError(f"group_size {group_size} does not divide the row length {d}")
@@ -155,6 +162,52 @@ def dequantize_rows(q: QuantizedRows | tuple, dtype: torch.dtype = torch.float32
     meta = q.meta.float()
     out = cg * meta[..., 0:1] + meta[..., 1:2]
     return out.reshape(codes.shape).to(dtype)
+
+
+@dataclass
+class QuantizedBlocks:
+    """Channel-wise packed tokens: `codes` `[..., L, d·bits/8]` uint8 (planar, one row per token) and `meta`
+    `[..., ceil(L/block), d, 2]`: (scale, minimum) of each channel over each block of `block` consecutive tokens."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    block: int
+
+
+def quantize_channels(x: torch.Tensor, bits: int, block: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedBlocks:
+    """Channel-wise asymmetric quantization of `x` `[..., L, d]` (L a multiple of `block`): every channel gets one
+    scale and minimum per block of tokens, the codes are packed per token like `quantize_rows`."""
+    length, d = x.shape[-2], x.shape[-1]
+    if length % block:
+        raise ValueError(f"channel-wise quantization needs whole blocks: {length} tokens, block {block}")
+    columns = x.float().reshape(*x.shape[:-2], length // block, block, d).transpose(-1, -2)  # [..., nb, d, block]
+    q = quantize_rows(columns, bits, block, meta_dtype)
+    codes = unpack_codes(q.codes, bits).reshape(columns.shape).transpose(-1, -2).reshape(x.shape)
+    return QuantizedBlocks(pack_codes(codes, bits), q.meta.squeeze(-2), bits, block)
+
+
+def dequantize_channels(q: QuantizedBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x̂ = code·scale + minimum per channel and block, as `[..., L, d]` in `dtype`. L need not fill the last block
+    (a view that ends inside one): meta covers ceil(L / block) blocks."""
+    codes = unpack_codes(q.codes, q.bits).float()
+    length = codes.shape[-2]
+    meta = q.meta.float().repeat_interleave(q.block, dim=-3)[..., :length, :, :]  # [..., L, d, 2]
+    return (codes * meta[..., 0] + meta[..., 1]).to(dtype)
+
+
+def dequantize(q: "QuantizedRows | QuantizedBlocks | torch.Tensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense values of either granularity (a dense tensor is returned as it is, in `dtype`)."""
+    if isinstance(q, torch.Tensor):
+        return q.to(dtype)
+    if isinstance(q, QuantizedBlocks):
+        return dequantize_channels(q, dtype)
+    return dequantize_rows(q, dtype)
+
+
+def fake_quantize_channels(x: torch.Tensor, bits: int, block: int, meta_dtype="float16") -> torch.Tensor:
+    """quantize → dequantize channel-wise over blocks of tokens (`x` `[..., L, d]`, L a multiple of `block`)."""
+    return dequantize_channels(quantize_channels(x, bits, block, meta_dtype), x.dtype)
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, clip_ratio: float = 1.0, meta_dtype="float16") -> torch.Tensor:

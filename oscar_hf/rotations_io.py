@@ -10,8 +10,10 @@ On disk (a folder, or a Hub repo where it sits beside the model's own files):
   options, fitted clip ratios (and the error curves they were fitted on), `center_keys`, the OscarConfig used,
   library versions.
 
-Format versions: 1 (no key means) and 2 (key means present). A file without key means is written as version 1, so
-older oscar-hf releases still read it; both versions are read here (a version-1 file loads with center_keys=False).
+Format versions: 1 (no key means), 2 (key means present), 3 (adds `layout`: the storage layout the rotations and
+clips were fitted for — `key_granularity` and `demotion_block`, the block of channel-wise keys). Versions 1 and 2 were
+written for token-wise keys demoted in blocks of 8 and load with that layout; `OscarCache` follows a file's layout
+unless given a config (and warns when the config's layout differs from the file's).
 
 Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
 checks the file against a model config and names the field and both values on mismatch.
@@ -33,8 +35,10 @@ from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
 FORMAT_NAME = "oscar-rotations"
-FORMAT_VERSION = 2  # the newest version written (only when key means are present; otherwise 1)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the version written
+READABLE_VERSIONS = (1, 2, 3)
+LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8}  # what format 1 and 2 files were calibrated for
+LAYOUT_FIELDS = ("key_granularity", "demotion_block")
 WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_rotations.json"
 ORTHOGONALITY_TOLERANCE = 1e-4
@@ -56,6 +60,8 @@ class OscarRotations:
         key_clips, value_clips: `{layer: ratio}` fitted clip ratios, or `None` when not fitted.
         metadata: calibration data, method options, fit curves, versions.
         key_means: `{layer: [H_kv, d]}` key means to subtract before storage (`OscarConfig.center_keys`), or `None`.
+        layout: the storage layout the rotations were fitted for (`LAYOUT_FIELDS` of `OscarConfig`); default: the
+            default `OscarConfig`'s.
     """
 
     def __init__(
@@ -69,8 +75,15 @@ class OscarRotations:
         value_clips: dict[int, float] | None = None,
         metadata: dict[str, Any] | None = None,
         key_means: dict[int, torch.Tensor] | None = None,
+        layout: dict[str, Any] | None = None,
     ):
         self.geometry = dict(geometry)
+        default = OscarConfig()
+        self.layout = {name: getattr(default, name) for name in LAYOUT_FIELDS} | dict(layout or {})
+        try:
+            OscarConfig(**self.layout)
+        except (TypeError, ValueError) as e:
+            raise RotationFileError(f"rotation layout {self.layout} is not valid: {e}") from None
         self.key_rotations = {int(k): v.float().contiguous() for k, v in key_rotations.items()}
         self.value_rotations = {int(k): v.float().contiguous() for k, v in value_rotations.items()}
         self.key_eigenvalues = {int(k): v.float() for k, v in (key_eigenvalues or {}).items()}
@@ -218,8 +231,9 @@ class OscarRotations:
 
         return {
             "format": FORMAT_NAME,
-            "format_version": 2 if self.center_keys else 1,
+            "format_version": FORMAT_VERSION,
             "model": self.geometry,
+            "layout": self.layout,
             "clip": {"key": clips(self.key_clips), "value": clips(self.value_clips)},
             "center_keys": self.center_keys,
             **self.metadata,
@@ -298,6 +312,10 @@ class OscarRotations:
                 f"{'has no' if center_keys else 'has'} layers.*.key_mean tensors"
             )
         geometry = meta.pop("model")
+        layout = meta.pop("layout", None) if version >= 3 else dict(LEGACY_LAYOUT)
+        if not isinstance(layout, dict) or set(layout) != set(LAYOUT_FIELDS):
+            raise RotationFileError(f"{config_path}: layout must be an object with the fields {list(LAYOUT_FIELDS)}, "
+                                    f"got {layout!r}")
         for key in ("format", "format_version"):
             meta.pop(key)
         return cls(
@@ -310,6 +328,7 @@ class OscarRotations:
             clip.get("value"),
             metadata=meta,
             key_means=tables["key_mean"] or None,
+            layout=layout,
         )
 
     def push_to_hub(

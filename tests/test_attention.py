@@ -4,9 +4,9 @@ from transformers import DynamicCache
 
 from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
-from oscar_hf.attention import key_padding_mask, merge_attention_states
+from oscar_hf.attention import key_padding_mask
 from oscar_hf.ops import segment_attention_reference
-from oscar_hf.quant import dequantize_rows, quantize_rows
+from oscar_hf.quant import dequantize, dequantize_rows, quantize_channels, quantize_rows
 
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4)
 
@@ -20,28 +20,21 @@ def _masked_attention(q, k, v, scale, mask):
     return p @ v.double(), lse
 
 
-def test_log_sum_exp_merge_equals_attention_over_the_union():
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 5, 8, generator=g)
-    k, v = torch.randn(2, 3, 30, 8, generator=g), torch.randn(2, 3, 30, 8, generator=g)
-    mask = torch.rand(2, 1, 5, 30, generator=g) > 0.3
-    mask[0, 0, 2] = False  # a query row with no visible key
-    mask[:, :, :, 10:14] = False  # a fully masked segment
-    parts = [_masked_attention(q, k[:, :, a:b], v[:, :, a:b], 0.3, mask[..., a:b]) for a, b in [(0, 10), (10, 14), (14, 30)]]
-    out, lse = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
-    ref, ref_lse = _masked_attention(q, k, v, 0.3, mask)
-    ok = mask.any(-1).expand(2, 3, 5)
-    assert torch.allclose(out[ok], ref[ok], atol=1e-9) and torch.allclose(lse[ok], ref_lse[ok])
-    assert (out[~ok] == 0).all() and torch.isinf(lse[~ok]).all()
-
-
-def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1, dtype=torch.float32, seed=0, mask=True):
-    """Random inputs for `segment_attention` plus the dense float64 picture of the same keys/values."""
+def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1, dtype=torch.float32, seed=0, mask=True,
+                    key_block=0):
+    """Random inputs for `segment_attention` plus the dense float64 picture of the same keys/values. With `key_block`,
+    keys are channel-wise over blocks of that many tokens (nh must be a multiple of it), each channel with its own
+    offset and spread (as post-RoPE keys have)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = rnd(b, h, g * t, d).to(dtype)
     sink_k, sink_v = rnd(b, h, ns + 3, d).to(dtype), rnd(b, h, ns + 3, d).to(dtype)
-    hk, hv = quantize_rows(rnd(b, h, nh + 2, d) * 2, 2, d // groups), quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups)
+    hv = quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups)
+    if key_block:
+        raw = rnd(b, h, nh + key_block, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
+        hk = quantize_channels(raw, 2, key_block)
+    else:
+        hk = quantize_rows(rnd(b, h, nh + 2, d) * 2, 2, d // groups)
     rec_k, rec_v = rnd(b, h, nr + 1, d).to(dtype), rnd(b, h, nr + 1, d).to(dtype)
     ext_k, ext_v = rnd(b, h, ne, d).to(dtype), rnd(b, h, ne, d).to(dtype)
     n = ns + nh + nr + ne
@@ -50,8 +43,8 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
         key_mask = torch.ones(b, n, dtype=torch.bool)
         key_mask[0, :7] = False  # left padding of row 0
     args = (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, rec_k, rec_v, ext_k, ext_v, key_mask, ns, nh, nr, ne, t,
-            n - t, d ** -0.5)
-    keys = torch.cat([sink_k[:, :, :ns].float(), dequantize_rows(hk)[:, :, :nh], rec_k[:, :, :nr].float(), ext_k.float()], 2)
+            n - t, d ** -0.5, key_block)
+    keys = torch.cat([sink_k[:, :, :ns].float(), dequantize(hk)[:, :, :nh], rec_k[:, :, :nr].float(), ext_k.float()], 2)
     values = torch.cat([sink_v[:, :, :ns].float(), dequantize_rows(hv)[:, :, :nh], rec_v[:, :, :nr].float(), ext_v.float()], 2)
     qpos = (n - t) + torch.arange(g * t) % t
     visible = (torch.arange(n)[None, :] <= qpos[:, None])[None, None]
@@ -60,7 +53,8 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
     return args, _masked_attention(q, keys, values, d ** -0.5, visible)
 
 
-@pytest.mark.parametrize("case", [dict(), dict(t=1, g=4), dict(ne=9, nr=6), dict(groups=2), dict(groups=4, mask=False), dict(nh=0)])
+@pytest.mark.parametrize("case", [dict(), dict(t=1, g=4), dict(ne=9, nr=6), dict(groups=2), dict(groups=4, mask=False), dict(nh=0),
+                                  dict(nh=32, key_block=16), dict(t=1, g=4, nh=64, key_block=32, groups=2)])
 def test_segment_attention_reference_matches_dense_attention(case):
     args, (ref, ref_lse) = random_segments(**case)
     out, lse = segment_attention_reference(*args)
@@ -164,3 +158,39 @@ def test_long_chunks_in_query_blocks_match_one_block(monkeypatch):
         out[block] = torch.cat([model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
                                 for a, b in [(0, 20), (20, 50), (50, 60)]], 1)
     assert torch.allclose(out[7], out[4096], atol=1e-5)
+
+
+class _CloningCache(OscarCache):
+    """Hands attention copies of the states update returned, like models that touch key_states after update (JetMoE
+    repeats them): the handoff must not depend on tensor identity."""
+
+    def update(self, *args, **kwargs):
+        k, v = super().update(*args, **kwargs)
+        return k.clone(), v.clone()
+
+
+def test_the_handoff_survives_models_that_replace_the_key_tensor():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    rotations = OscarRotations.data_free(model, "hadamard")
+    logits = []
+    for cls in (OscarCache, _CloningCache):
+        cache = cls(model, rotations, OscarConfig(value_clip="none", **SMALL))
+        model(input_ids=ids[:, :30], past_key_values=cache)
+        logits.append(model(input_ids=ids[:, 30:], past_key_values=cache).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_view_that_does_not_fit_its_attention_call_raises():
+    from oscar_hf.attention import oscar_attention_forward
+    from oscar_hf.cache import VIEW_KWARG
+
+    model = tiny_model("llama")
+    cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(value_clip="none", **SMALL))
+    model(input_ids=torch.randint(3, VOCAB, (1, 20)), past_key_values=cache)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 3, 16)
+    layer.update(k, k, fused=True, attention_kwargs={})
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="do not belong together"):
+        oscar_attention_forward(attn, torch.randn(1, 4, 1, 16), k, k, None, **{VIEW_KWARG: layer})

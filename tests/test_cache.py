@@ -3,10 +3,12 @@ import torch
 
 from oscar_hf import OscarConfig
 from oscar_hf.cache import OscarLayer, claim_layer, rotate
-from oscar_hf.quant import fake_quantize
+from oscar_hf.quant import fake_quantize, fake_quantize_channels
 
 H, D = 2, 16
-SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip=0.9, value_clip=1.0)
+# token-wise keys (the paper's layout) and channel-wise keys (the default) at tiny windows and blocks
+SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip=0.9, value_clip=1.0, key_granularity="token")
+CHANNEL = SMALL.replace(key_granularity="channel")
 
 
 def _rotations(h=H, d=D, seed=0):
@@ -60,11 +62,38 @@ def test_stored_past_is_rotated_clipped_and_quantized_exactly_as_specified():
     assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))
 
 
+def test_channelwise_keys_are_quantized_per_channel_over_each_demoted_block():
+    layer = _layer(CHANNEL)
+    k, v = _states(30)
+    k = k * torch.linspace(0.1, 10, D) + torch.linspace(-5, 5, D)  # channels of very different offset and spread
+    layer.update(k, v)
+    kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
+    past_k, past_v = _past(layer)
+    meta, codes = layer.history_keys.buffers["meta"], layer.history_keys.buffers["codes"]
+    assert layer.history_keys.length == 16 and meta.shape[3:] == (D, 2) and meta.shape[2] * 4 == codes.shape[2]
+    assert torch.equal(past_k[:, :, 4:20], fake_quantize_channels(kr[:, :, 4:20], 2, 4))
+    assert not torch.equal(past_k[:, :, 4:20], fake_quantize(kr[:, :, 4:20], 2, D, 1.0))
+    assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))  # values stay token-wise
+
+
+def test_crop_into_a_channelwise_block_returns_its_tokens_to_the_window():
+    k, v = _states(30)
+    layer = _feed(_layer(CHANNEL, exact_rotation=True), k, v, [30])
+    before_k, before_v = _past(layer)
+    layer.crop(-12)  # 10 recent + 2 of the last history block: that block's other 2 tokens go back to the window
+    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 12, 2)
+    after_k, after_v = _past(layer)
+    assert torch.equal(after_k, before_k[:, :, :18]) and torch.equal(after_v, before_v[:, :, :18])
+    layer.update(k[:, :, 18:30], v[:, :, 18:30])  # refilled: whole blocks again, nothing lost or duplicated
+    assert layer.get_seq_length() == 30 and layer.history_keys.length % 4 == 0
+
+
+@pytest.mark.parametrize("config", [SMALL, CHANNEL], ids=["token", "channel"])
 @pytest.mark.parametrize("sizes", [[1] * 41, [7] * 5 + [6], [3, 1, 20, 1, 1, 15], [41]])
-def test_state_does_not_depend_on_how_tokens_arrive(sizes):
+def test_state_does_not_depend_on_how_tokens_arrive(sizes, config):
     k, v = _states(41)
-    reference = _feed(_layer(exact_rotation=True), k, v, [41])
-    layer = _feed(_layer(exact_rotation=True), k, v, sizes)
+    reference = _feed(_layer(config, exact_rotation=True), k, v, [41])
+    layer = _feed(_layer(config, exact_rotation=True), k, v, sizes)
     assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (
         reference.n_sink, reference.history_keys.length, reference.n_recent)
     for a, b in zip(_past(layer), _past(reference)):
@@ -128,8 +157,13 @@ def test_reset_and_reuse():
     assert layer.get_seq_length() == 9
 
 
-def test_memory_at_128k_matches_the_paper_accounting():
+@pytest.mark.parametrize("layout,bf16_tokens", [("paper", 320), ("default", 384)])
+def test_memory_at_128k_matches_the_accounting(layout, bf16_tokens):
+    # The paper's layout (token-wise keys, demotion 8) keeps 64 + 256 BF16 tokens at 128K: 2.2836 bits, its "2.28".
+    # The default demotes blocks of 128: at 131072 tokens 64 + 320 stay BF16 (the window holds 256..383).
     config = OscarConfig(key_clip="none", value_clip="none")
+    if layout == "paper":
+        config = config.replace(key_granularity="token", demotion_block=8)
     n = 131072
     rk = torch.eye(128).expand(1, 128, 128)
     layer = OscarLayer(rk, rk, 1.0, 1.0, config, max_cache_len=n)
@@ -137,8 +171,9 @@ def test_memory_at_128k_matches_the_paper_accounting():
     layer.update(k, k)
     m = layer.memory_bytes()
     used_bits = 8 * m["used"] / m["elements"]
-    assert used_bits == pytest.approx(2.25 + 320 * (16 - 2.25) / n, rel=1e-9)  # 2.2836, the paper's "2.28"
-    assert 2.28 < 8 * m["allocated"] / m["elements"] < 2.29
+    assert layer.n_sink + layer.n_recent == bf16_tokens
+    assert used_bits == pytest.approx(2.25 + bf16_tokens * (16 - 2.25) / n, rel=1e-9)
+    assert used_bits <= 8 * m["allocated"] / m["elements"] < 2.30
 
 
 def test_bits_16_keeps_a_dense_history():
@@ -162,13 +197,64 @@ def test_wrong_head_count_is_refused():
         _layer().update(k, k)
 
 
-def test_fused_update_hands_the_layer_to_the_attention_by_identity():
+class _Module:
+    def __init__(self, layer_idx):
+        self.layer_idx = layer_idx
+
+
+def test_fused_update_hands_the_layer_to_its_attention_call_through_the_shared_kwargs():
     layer = _layer()
     k, v = _states(6)
-    rk, rv = layer.update(k, v, fused=True)
+    attention_kwargs = {"position_ids": None}
+    rk, rv = layer.update(k, v, fused=True, layer_idx=3, attention_kwargs=attention_kwargs)
     assert rk is k and rv is v
-    assert claim_layer(torch.zeros(1)) is None
-    assert claim_layer(rk) is layer
-    assert claim_layer(rk) is None  # consumed once
+    # the attention call receives a copy of the kwargs (**kwargs): the layer travels in it, whatever the key tensor
+    assert claim_layer(_Module(3), dict(attention_kwargs)) is layer
     view = layer.take_view()
     assert view.past_length == 0 and view.original_keys is k
+
+
+def test_without_shared_kwargs_the_layer_waits_under_its_layer_index():
+    layer = _layer()
+    k, v = _states(6)
+    layer.update(k, v, fused=True, layer_idx=5)
+    assert claim_layer(_Module(4), {}) is None  # another layer's attention: not this view
+    assert claim_layer(_Module(5), {}) is layer
+    assert claim_layer(_Module(5), {}) is None  # consumed once
+    layer.take_view()
+
+
+def test_a_view_left_by_an_interrupted_pass_is_dropped_not_used():
+    layer = _layer()
+    k, v = _states(6)
+    layer.update(k, v, fused=True, layer_idx=0)  # ...and the forward pass died before its attention call
+    with pytest.warns(RuntimeWarning, match="interrupted"):  # a later call of another shape (another cache)
+        assert claim_layer(_Module(0), {}, torch.zeros(1, 4, 3, D)) is None
+    layer.update(k[:, :, :1], v[:, :, :1], fused=True, layer_idx=0)
+    assert claim_layer(_Module(0), {}, torch.zeros(1, 4, 1, D)).take_view().chunk_length == 1
+
+
+def test_an_unused_view_is_reported_and_dropped():
+    layer = _layer()
+    k, v = _states(6)
+    layer.update(k, v, fused=True, layer_idx=0)
+    with pytest.warns(RuntimeWarning, match="never used"):
+        layer.update(k[:, :, :1], v[:, :, :1], fused=True, layer_idx=0)
+    assert claim_layer(_Module(0), {}).take_view().chunk_length == 1
+
+
+def test_reset_ends_past_recording_and_recording_ends_without_crops():
+    k, v = _states(60)
+    layer = _feed(_layer(), k, v, [20])
+    layer.activate_past_recording()
+    layer.update(k[:, :, 20:25], v[:, :, 20:25])  # a verification step of assisted decoding...
+    layer.crop(-2)  # ...always followed by a crop
+    recorded = layer.n_recent
+    layer.update(k[:, :, 23:26], v[:, :, 23:26])
+    assert layer.record_past and layer.n_recent == recorded + 3  # still recording: nothing demoted
+    for t in range(26, 60):  # plain decoding afterwards: no crops, so recording ends and demotion resumes
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert not layer.record_past and layer.n_recent <= 8 + 3
+    layer.activate_past_recording()
+    layer.reset()
+    assert not layer.record_past and not layer.is_initialized

@@ -99,22 +99,28 @@ def test_file_round_trip_with_means(tmp_path):
     rot = centered_data_free(model)
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["center_keys"] is True and meta["format_version"] == 2
+    assert meta["center_keys"] is True and meta["format_version"] == 3
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.center_keys and set(loaded.key_means) == set(rot.key_means)
     for layer, mean in rot.key_means.items():
         torch.testing.assert_close(loaded.key_means[layer], mean)
 
 
-def test_old_format_file_loads_without_means(tmp_path):
+def test_old_format_file_loads_without_means_in_its_token_wise_layout(tmp_path):
     model = tiny_model("llama")
     OscarRotations.data_free(model.config).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 1  # files without means stay readable by older releases
-    del meta["center_keys"]  # exactly what an older oscar-hf wrote
+    assert meta["format_version"] == 3 and meta["layout"]["key_granularity"] == "channel"
+    del meta["center_keys"], meta["layout"]  # exactly what the first oscar-hf release wrote
+    meta["format_version"] = 1
+    layers = [str(i) for i in model_geometry(model.config).oscar_layers]
+    meta["clip"] = {"key": {i: 0.9 for i in layers}, "value": {i: 0.92 for i in layers}}
     (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.key_means is None and not loaded.center_keys
+    assert loaded.layout == {"key_granularity": "token", "demotion_block": 8}  # what it was calibrated for
+    cache = OscarCache(model, loaded, None)
+    assert cache.oscar_config.key_granularity == "token" and cache.oscar_config.demotion_block == 8
 
 
 def _edit(tmp_path, model, edit_json=None, edit_tensors=None):
@@ -209,7 +215,9 @@ def test_centered_int2_cache_is_closer_to_bf16():
     """Tiny Qwen2 with a large k_proj bias, INT2 everywhere (no sink / window): centered beats plain."""
     model = biased_model(offset=10.0)
     ids = torch.randint(4, 100, (1, 80), generator=torch.Generator().manual_seed(0))
-    config = OscarConfig(sink_tokens=0, window_tokens=0, key_clip="none", value_clip="none")
+    # centering is a lever of token-wise keys (channel-wise keys absorb any per-channel offset by themselves)
+    config = OscarConfig(sink_tokens=0, window_tokens=0, key_clip="none", value_clip="none", key_granularity="token",
+                         demotion_block=8)
     schedule = (48, 16, 16)
     reference = logits_through(model, DynamicCache(config=model.config), ids, schedule)[:, 48:]
     dyn = DynamicCache(config=model.config)

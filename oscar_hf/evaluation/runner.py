@@ -30,11 +30,16 @@ from ..config import OscarConfig
 from ..data import token_sequences
 from ..metrics import perplexity
 from ..rotations_io import OscarRotations
-from .methods import Method, RotationStore, Windows, ablation_methods, cache_bits, calibration_key, centering_methods, head_dim_of, main_methods, nominal_history_bits
+from .domains import evaluation_texts
+from .methods import Method, RotationStore, Windows, ablation_methods, all_methods, cache_bits, calibration_key, centering_methods, format_methods, head_dim_of, main_methods, nominal_history_bits
 
 STAGES = ("ppl", "ablations", "diagnostics", "niah", "lm-eval")
-EXPERIMENTS = ("centering",)  # stages outside `all`
+EXPERIMENTS = ("centering", "format")  # stages outside `all`
 CENTERING_METHODS = "bf16,oscar,oscar_centered,kivi2"
+# the levers of the default layout, one at a time: paper layout -> centered -> channel-wise keys in each basis ->
+# per-head basis choice -> blocks of 64 (= `oscar`, the default); KIVI-2 at equal and at more bits
+FORMAT_METHODS = ("bf16,oscar-token,oscar-token-centered,oscar-ch-uhp,oscar-ch-h,oscar-ch-id,oscar-ch-auto,"
+                  "oscar-ch-id-b64,oscar,kivi2-g64,kivi2")
 
 
 def versions() -> dict:
@@ -86,7 +91,7 @@ class Session:
 
     def __init__(self, model_spec: str, output: str | Path = "eval/results", dtype: str = "bfloat16",
                  calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None,
-                 calibration_length: int = 2048):
+                 calibration_length: int = 2048, domain: str = "essays"):
         if threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
@@ -97,7 +102,10 @@ class Session:
         self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=False,
                                    calibration_sequence_length=calibration_length)
         self.rotation_dir = self.output / "rotations"
-        self.eval_docs = list(assets.essay_split("eval").values())
+        # Evaluation text (disjoint from the calibration essays); results of other domains get a suffix.
+        self.domain = domain
+        self.eval_docs, self.eval_data = evaluation_texts(domain)
+        self.suffix = "" if domain == "essays" else f"_{domain}"
 
     # ------------------------------------------------------------------ rotations
     def rotations(self, methods: dict[str, Method]) -> dict[str, OscarRotations]:
@@ -140,8 +148,17 @@ class Session:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra,
         }
 
-    def write(self, stage: str, meta: dict, results) -> Path:
-        path = self.output / f"{stage}.json"
+    def write(self, stage: str, meta: dict, results, merge: bool = False) -> Path:
+        """Writes `<output>/<model>/<stage>[_domain].json`. With `merge` (per-method results), methods of an earlier
+        file that this run did not measure are kept, each with the provenance of the run that measured it."""
+        path = self.output / f"{stage}{self.suffix}.json"
+        if merge and path.is_file():
+            old = json.loads(path.read_text())
+            kept = _carried_over(old, set(results))
+            if kept:
+                results = {**kept["results"], **results}
+                meta["methods"] = {**kept["methods"], **meta["methods"]}
+                meta["carried_over"] = kept["provenance"]
         path.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=_jsonable))
         print(f"wrote {path}", flush=True)
         return path
@@ -164,15 +181,14 @@ class Session:
             results[name] = {**ppl, "bits": cache_bits(caches[-1]), "seconds": round(time.perf_counter() - start, 1)}
             print(f"[{self.info['name']}] {stage} {name:20s} ppl {ppl['perplexity']:8.3f}  bits "
                   f"{results[name]['bits']['bits_per_element']:.3f}  ({results[name]['seconds']} s)", flush=True)
-        data = {"source": f"pip:{assets.ESSAYS_PACKAGE} Paul Graham essays, evaluation split (first {assets.EVAL_ESSAYS})",
-                "sequences": sequences, "sequence_length": length, "context": context, "chunk": chunk,
+        data = {**self.eval_data, "sequences": sequences, "sequence_length": length, "context": context, "chunk": chunk,
                 "scored_tokens": results[next(iter(results))]["tokens"]}
         meta = self.meta(stage, methods, {"data": data, "calibration": self.calibration_meta(rotations),
                                           "protocol": "oscar_hf.metrics.perplexity: context prefilled into the cache, "
                                                       "the rest scored in chunks against the stored history"})
-        return self.write(stage, meta, results)
+        return self.write(stage, meta, results, merge=True)
 
-    def niah(self, methods: dict[str, Method], lengths, depths, seeds, max_new_tokens: int = 8) -> Path:
+    def niah(self, methods: dict[str, Method], lengths, depths, seeds, max_new_tokens: int = 8, needles: int = 1) -> Path:
         from .niah import make_trial, run_trial
 
         rotations = self.rotations(methods)
@@ -181,21 +197,23 @@ class Session:
         for length in lengths:
             for depth in depths:
                 for seed in seeds:
-                    trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed)
+                    trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed, needles)
                     rows = run_trial(self.model, self.tokenizer, trial, methods, rotations, max_new_tokens)
                     records.extend(rows)
                     hits = " ".join(f"{r['method']}={'Y' if r['hit'] else 'n'}" for r in rows)
-                    print(f"[{self.info['name']}] niah L={length} depth={depth} seed={seed} prefill "
+                    print(f"[{self.info['name']}] niah{needles if needles > 1 else ''} L={length} depth={depth} seed={seed} prefill "
                           f"{rows[0]['prefill_seconds']} s: {hits}", flush=True)
                 # written after every (length, depth): a long run leaves partial results behind
-                meta = self.meta("niah", methods, {
-                    "data": {"source": f"pip:{assets.ESSAYS_PACKAGE} evaluation essays as haystack",
+                stage = "niah" if needles == 1 else f"niah{needles}"
+                meta = self.meta(stage, methods, {
+                    "data": {**self.eval_data, "haystack": True,
                              "lengths": list(lengths), "depths": list(depths), "seeds": list(seeds),
-                             "max_new_tokens": max_new_tokens, "scoring": "first number of the greedy answer == key"},
+                             "max_new_tokens": max_new_tokens, "needles": needles,
+                             "scoring": "first number of the greedy answer == key"},
                     "calibration": self.calibration_meta(rotations),
                     "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
                                 "with cache.update; question fed through the cache; greedy answer"})
-                path = self.write("niah", meta, records)
+                path = self.write(stage, meta, records)
         return path
 
     def centering(self, methods: dict[str, Method], **ppl) -> Path:
@@ -225,6 +243,25 @@ class Session:
         meta = self.meta("diagnostics", methods, {"data": {"source": "evaluation essays", "sequences": sequences,
                                                            "context": context, "chunk": chunk, "offset_tokens": 50000}})
         return self.write("diagnostics", meta, results)
+
+
+def _carried_over(old: dict, measured: set[str]) -> dict:
+    """The methods of an earlier per-method result file that a new run did not measure. Files written before the
+    storage format became channel-wise called the paper's layout `oscar`: that row is renamed `oscar-token`."""
+    results, methods = dict(old["results"]), dict(old["meta"].get("methods", {}))
+    legacy = "key_granularity" not in methods.get("oscar", {}).get("oscar_config", {"key_granularity": None})
+    if legacy and "oscar" in results:
+        results["oscar-token"], methods["oscar-token"] = results.pop("oscar"), methods.pop("oscar")
+    if legacy:  # measured in the old default layout, which its name no longer means
+        for name in ("oscar-s32w64", "oscar_centered"):
+            results.pop(name, None)
+    keep = [name for name in results if name not in measured]
+    if not keep:
+        return {}
+    meta = old["meta"]
+    return {"results": {n: results[n] for n in keep}, "methods": {n: methods[n] for n in keep if n in methods},
+            "provenance": {n: {"date": meta.get("date"), "command": meta.get("command"),
+                               "versions": meta.get("versions")} for n in keep}}
 
 
 def _slug(text: str) -> str:
@@ -262,10 +299,11 @@ def run(args) -> int:
 
         return run_tasks(args)
     session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
-                      args.calibration_length)
+                      args.calibration_length, args.domain)
     for stage in stages:
         if stage == "ppl":
-            session.perplexity(select(main_methods(windows), args.methods), sequences=args.sequences,
+            session.perplexity(select(all_methods(windows), args.methods or ",".join(main_methods(windows))),
+                               sequences=args.sequences,
                                length=args.length, context=args.context, chunk=args.chunk)
         elif stage == "ablations":
             session.perplexity(select(ablation_methods(windows), args.ablations), stage="ablations",
@@ -276,7 +314,12 @@ def run(args) -> int:
             lengths = [int(x) for x in args.lengths.split(",")]
             depths = [float(x) for x in args.depths.split(",")]
             seeds = [int(x) for x in args.seeds.split(",")]
-            session.niah(select(main_methods(windows), args.methods), lengths, depths, seeds, args.max_new_tokens)
+            session.niah(select(all_methods(windows), args.methods or ",".join(main_methods(windows))), lengths, depths,
+                         seeds, args.max_new_tokens, args.needles)
+        elif stage == "format":
+            session.perplexity(select({**main_methods(windows), **format_methods(windows)}, args.methods or FORMAT_METHODS),
+                               stage="format_ppl", sequences=args.sequences, length=args.length, context=args.context,
+                               chunk=args.chunk)
         elif stage == "centering":
             session.centering(select({**main_methods(windows), **centering_methods(windows)},
                                      args.methods or CENTERING_METHODS),
@@ -290,6 +333,8 @@ def add_eval_arguments(parser) -> None:
                         help="metric to run ('all' = every stage but lm-eval and the experiments)")
     parser.add_argument("--model", default="smollm2-135m", help=f"offline model ({', '.join(assets.OFFLINE_MODELS)}) or a folder")
     parser.add_argument("--output", default="eval/results", help="results folder (one sub-folder per model)")
+    parser.add_argument("--domain", default="essays", choices=("essays", "python", "shakespeare"),
+                        help="evaluation text (calibration always uses the default essays): results get a _DOMAIN suffix")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--methods", default=None, help="comma-separated subset of the main methods (default: all)")
     parser.add_argument("--ablations", default=None, help="comma-separated subset of the ablations (default: all)")
@@ -308,6 +353,8 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="NIAH: needle depths")
     parser.add_argument("--seeds", default="0", help="NIAH: seeds")
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--needles", type=int, default=1,
+                        help="NIAH: needles of the same pattern in the haystack (one is asked for); results niahN.json")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--tasks", default="oscar_bb_siqa", help="lm-eval: task names")
     parser.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")

@@ -1,0 +1,168 @@
+"""The storage format of the quantized history: one class, `QuantizedHistory`, owns its buffers and lengths.
+
+One stream (the keys, or the values) of one OSCAR layer, rotated before it gets here. Buffers (B batch, H KV heads,
+cap capacity in tokens, d head_dim):
+
+- codes `[B, H, cap, d·bits/8]` uint8, one packed row per token (planar packing, `quant.py`), for both granularities;
+- token-wise meta `[B, H, cap, d/group_size, 2]`: (scale, minimum) per group of channels of each token;
+- channel-wise meta `[B, H, cap/block, d, 2]`: (scale, minimum) per channel of each block of `block` tokens. Tokens
+  arrive a whole block at a time (the cache demotes in blocks), so a block is quantized once and never touched again;
+- bits == 16: `dense` `[B, H, cap, d]` in the model dtype (no quantization; the cache-logic check).
+
+Rows `[0, length)` are valid. 2-bit rows are written by `ops.quantize_pack` (the fused Triton kernel on CUDA, its
+torch twin elsewhere); other widths by `quant.py` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from . import ops
+from .config import DTYPES
+from .quant import QuantizedBlocks, QuantizedRows, clip_rows, dequantize, quantize_channels, quantize_rows
+
+GRANULARITIES = ("token", "channel")
+_BULK_RESERVE = 256  # spare rows after a bulk (prefill) append
+
+
+class QuantizedHistory:
+    """The quantized history of one stream of one layer.
+
+    Args:
+        bits: code width (16 = stored dense).
+        granularity: `"token"` (a scale/minimum per group of `group_size` channels of each token) or `"channel"` (per
+            channel per block of `block` tokens).
+        group_size: channels per token-wise group. block: tokens per channel-wise block.
+        scale_dtype: dtype of the scale and minimum. clip_ratio: per-row clip before token-wise quantization.
+    """
+
+    def __init__(self, bits: int, granularity: str, group_size: int, block: int, scale_dtype: str, clip_ratio: float,
+                 head_dim: int):
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"history granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.bits = bits
+        self.granularity = granularity if bits < 16 else "token"
+        self.group_size = group_size
+        self.block = block
+        self.scale_dtype = scale_dtype
+        self.clip_ratio = clip_ratio
+        self.head_dim = head_dim
+        self.length = 0
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def channelwise(self) -> bool:
+        return self.granularity == "channel"
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers["dense" if self.bits == 16 else "codes"].shape[2] if self.buffers else 0
+
+    def _allocate(self, batch: int, heads: int, capacity: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+        d = self.head_dim
+        if self.bits == 16:
+            return {"dense": torch.empty(batch, heads, capacity, d, dtype=dtype, device=device)}
+        meta_dtype = DTYPES[self.scale_dtype]
+        if self.channelwise:
+            capacity = -(-capacity // self.block) * self.block
+            meta = torch.empty(batch, heads, capacity // self.block, d, 2, dtype=meta_dtype, device=device)
+        else:
+            meta = torch.empty(batch, heads, capacity, d // self.group_size, 2, dtype=meta_dtype, device=device)
+        codes = torch.empty(batch, heads, capacity, d * self.bits // 8, dtype=torch.uint8, device=device)
+        return {"codes": codes, "meta": meta}
+
+    def initialize(self, rows: torch.Tensor) -> None:
+        """Empty buffers with the batch, heads, dtype and device of `rows` `[B, H, n, d]`."""
+        self.buffers = self._allocate(rows.shape[0], rows.shape[1], 0, rows.dtype, rows.device)
+        self.length = 0
+
+    def _meta_rows(self, tokens: int) -> int:
+        return tokens // self.block if self.channelwise else tokens
+
+    def reserve(self, rows: torch.Tensor, needed: int, bulk: bool, extra: int | None = None) -> None:
+        """Grows the buffers to hold `needed` rows: exact plus a small reserve after a bulk append, geometric
+        (1/8) during decoding, or exactly `needed + extra` when `extra` is given."""
+        if needed <= self.capacity:
+            return
+        if extra is None:
+            extra = _BULK_RESERVE if bulk else max(_BULK_RESERVE, needed // 8)
+        b, h = rows.shape[:2]
+        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)
+        for name, buf in self.buffers.items():
+            n = self._meta_rows(self.length) if name == "meta" else self.length
+            new[name][:, :, :n] = buf[:, :, :n]
+        self.buffers = new
+
+    def append(self, rows: torch.Tensor, bulk: bool, rotation: torch.Tensor | None = None) -> None:
+        """Appends `rows` `[B, H, n, d]` after the valid history: rotated by `rotation` `[H, d, d]` first if given
+        (otherwise already rotated), then clipped (token-wise), quantized and packed. Channel-wise histories take
+        whole blocks only."""
+        n = rows.shape[2]
+        if n == 0:
+            return
+        if self.channelwise and (n % self.block or self.length % self.block):
+            raise ValueError(
+                f"channel-wise history appends whole blocks of {self.block} tokens (got {n} after {self.length})"
+            )
+        self.reserve(rows, self.length + n, bulk)
+        start, end = self.length, self.length + n
+        if self.bits == 2:
+            ops.quantize_pack(rows, rotation, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
+                              self.buffers["meta"], start, self.block if self.channelwise else 0)
+        else:
+            if rotation is not None:
+                rows = torch.matmul(rows, rotation)
+            if self.bits == 16:
+                self.buffers["dense"][:, :, start:end] = rows
+            elif self.channelwise:
+                q = quantize_channels(rows, self.bits, self.block, self.scale_dtype)
+                self.buffers["codes"][:, :, start:end] = q.codes
+                self.buffers["meta"][:, :, start // self.block : end // self.block] = q.meta
+            else:
+                q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
+                self.buffers["codes"][:, :, start:end] = q.codes
+                self.buffers["meta"][:, :, start:end] = q.meta
+        self.length = end
+
+    def truncate(self, length: int) -> torch.Tensor | None:
+        """Keeps the first `length` rows. A channel-wise history keeps whole blocks: the valid rows of a cut block
+        are returned dequantized `[B, H, r, d]` float32 (exactly what was stored, for the caller to keep in full precision),
+        else None."""
+        if length >= self.length:
+            return None
+        tail = None
+        if self.channelwise and length % self.block:
+            kept = length // self.block * self.block
+            tail = dequantize(self.packed(kept, kept + self.block), torch.float32)[:, :, : length - kept]
+            length = kept
+        self.length = length
+        return tail
+
+    def packed(self, start: int, end: int) -> QuantizedRows | QuantizedBlocks | torch.Tensor:
+        """Rows `[start, end)` as a view: `QuantizedRows` (token-wise), `QuantizedBlocks` (channel-wise; `start` on a
+        block boundary, the blocks covering `end`), or a dense tensor when bits == 16."""
+        b = self.buffers
+        if self.bits == 16:
+            return b["dense"][:, :, start:end]
+        if self.channelwise:
+            return QuantizedBlocks(b["codes"][:, :, start:end], b["meta"][:, :, start // self.block : -(-end // self.block)],
+                                   self.bits, self.block)
+        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size)
+
+    def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.packed(start, end), dtype)
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.buffers = {name: fn(buf) for name, buf in self.buffers.items()}
+
+    def nbytes(self) -> tuple[int, int]:
+        """(allocated, used) bytes."""
+        allocated = used = 0
+        for name, buf in self.buffers.items():
+            size = buf.numel() * buf.element_size()
+            rows = self._meta_rows(self.length) if name == "meta" else self.length
+            allocated += size
+            used += size * rows // buf.shape[2] if buf.shape[2] else 0
+        return allocated, used
