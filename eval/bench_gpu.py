@@ -441,14 +441,15 @@ def fill_cache(model, cache, batch, length, device, chunk=16384):
         done = 0
         while done < length:
             n = min(chunk, length - done)
-            cache.update(k[:, :, :n], v[:, :, :n], layer)
+            if hasattr(cache.layers[layer], "store"):  # an OscarLayer: store without preparing an attention view
+                cache.layers[layer].store(k[:, :, :n], v[:, :, :n])
+            else:
+                cache.update(k[:, :, :n], v[:, :, :n], layer)
             done += n
-        if hasattr(cache.layers[layer], "_view"):
-            cache.layers[layer]._view = None
     sync()
 
 
-def make_cache(kind, model, batch, length, device):
+def make_cache(kind, model, batch, length, device, max_cache_len=None):
     from transformers import DynamicCache, QuantizedCache
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
@@ -462,7 +463,7 @@ def make_cache(kind, model, batch, length, device):
         return cache
     if kind == "oscar":
         rot = OscarRotations.data_free(model, "hadamard")
-        cache = OscarCache(model, rot, OscarConfig(value_clip=0.92))
+        cache = OscarCache(model, rot, OscarConfig(value_clip=0.92), max_cache_len=max_cache_len)
     elif kind == "hf_quantized":
         cache = QuantizedCache(backend="hqq", config=model.config, nbits=2, axis_key=1, axis_value=1,
                                q_group_size=64, residual_length=128)
@@ -599,7 +600,7 @@ def section_memory(device, quick):
         for kind in ("bf16", "oscar"):
             free()
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            cache = make_cache(kind, model, 1, length, device)
+            cache = make_cache(kind, model, 1, length, device, max_cache_len=length)
             free()
             after = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             elements = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * length

@@ -87,9 +87,10 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
         bf = torch.zeros(batch, kv_heads, 256, head_dim, dtype=dtype)
         codes = torch.zeros(batch, kv_heads, length, head_dim // 4, dtype=torch.uint8)
         meta = torch.zeros(batch, kv_heads, length, 1, 2, dtype=torch.float16)
+        meta_k = torch.zeros(batch, kv_heads, length // 64, head_dim, 2, dtype=torch.float16)  # the default layout
         extra = bf[:, :, :0]
-        attention.segment_attention_triton(q, bf, bf, codes, meta, codes, meta, bf, bf, extra, extra, None,
-                                           64, length, 256, 0, 1, length + 320, head_dim ** -0.5)
+        attention.segment_attention_triton(q, bf, bf, codes, meta_k, codes, meta, bf, bf, extra, extra, None,
+                                           64, length // 64 * 64, 256, 0, 1, length + 320, head_dim ** -0.5, 64)
     finally:
         attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
     fn, grid, args, kw = launches[0]
@@ -130,24 +131,26 @@ def main():
         sass_profile()
         return 0
     failures = 0
-    variants = [(d, g, 16, 64, "bf16", False) for d in (64, 128, 256) for g in (1, 2, 4)]
-    variants += [(128, 1, 16, bn, "bf16", False) for bn in (32, 128)] + [(256, 1, 16, 64, "bf16", False)]
-    variants += [(128, 1, 64, 64, "bf16", True), (128, 1, 16, 64, "fp16", True), (64, 2, 64, 32, "fp16", False)]
-    for d, groups, block_m, block_n, qtype, mask in variants:
-        const = dict(D=d, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False)
+    variants = [(d, g, 16, 64, "bf16", False, kb) for d in (64, 128, 256) for g in (1, 2, 4) for kb in (0, 64)]
+    variants += [(128, 1, 16, bn, "bf16", False, kb) for bn in (32, 128) for kb in (0, 64)]
+    variants += [(128, 1, 64, 64, "bf16", True, 64), (128, 1, 16, 64, "fp16", True, 0), (64, 2, 64, 32, "fp16", False, 64)]
+    for d, groups, block_m, block_n, qtype, mask, key_block in variants:
+        const = dict(D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False)
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, signature(attention._segment_attention_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
             if True:
-                print(f"attention d={d} G={groups} BM={block_m} BN={block_n} {qtype} mask={mask}: {ptxas_report(k)}", flush=True)
+                print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask}: "
+                      f"{ptxas_report(k)}", flush=True)
         except Exception as e:
             failures += 1
-            print(f"attention d={d} G={groups} BM={block_m} BN={block_n} {qtype} mask={mask}: FAILED {str(e)[-400:]}")
+            print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask}: FAILED "
+                  f"{str(e)[-400:]}")
     qvariants = [(d, 1, r, True, True, False) for d in (64, 128, 256) for r in (False, True)]
     qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
     for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
         const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
-                     META_BF16=meta_bf16, UPCAST=False)
+                     META=int(meta_bf16), UPCAST=False)
         qtype = "bf16" if bf16 else "fp16"
         try:
             k = triton.compile(ASTSource(quantize._quantize_pack_kernel, signature(quantize._quantize_pack_kernel, const, qtype),
@@ -157,6 +160,17 @@ def main():
         except Exception as e:
             failures += 1
             print(f"quantize d={d} G={groups} rotate={rotate} clip={clip} bf16={bf16}: FAILED {str(e)[-400:]}")
+    for d in (64, 128, 256):
+        for rotate in (False, True):
+            const = dict(D=d, BLOCK=64, SUB=16 if d >= 256 else 32, ROTATE=rotate, STORE_BF16=True, META=0, UPCAST=False)
+            try:
+                k = triton.compile(ASTSource(quantize._quantize_pack_channels_kernel,
+                                             signature(quantize._quantize_pack_channels_kernel, const, "bf16"),
+                                             constexprs=const), target=TARGET, options={"num_stages": 1})
+                print(f"quantize channel-wise d={d} rotate={rotate}: {ptxas_report(k)}")
+            except Exception as e:
+                failures += 1
+                print(f"quantize channel-wise d={d} rotate={rotate}: FAILED {str(e)[-400:]}")
     print("failures:", failures)
     return 1 if failures else 0
 

@@ -143,7 +143,8 @@ def _int2_range(
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
         if KEY_BLOCK > 0:
             # Channel-wise keys: the tile lies in one block (BLOCK_N divides KEY_BLOCK), whose per-channel scale s_c
-            # and minimum m_c fold into the query: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c.
+            # and minimum m_c fold into the query: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c. (Tiles spanning two
+            # blocks, with two scaled queries, measured slower on the H200: 169 vs 146 us at 100K, batch 1.)
             mblk = base_mk + (start // KEY_BLOCK) * smk_t
             s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
             bias = tl.zeros((q0.shape[0],), tl.float32)

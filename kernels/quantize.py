@@ -43,11 +43,10 @@ def _scale_minimum(lo, hi, META: tl.constexpr):
 
 
 @triton.jit
-def _rotated_rows(x_ptr, rot_ptr, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
+def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
                   ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, UPCAST: tl.constexpr):
     x = tl.load(x_ptr + b * sx_b + h * sx_h + rows[:, None] * sx_t + cols[None, :] * sx_d, mask=row_ok[:, None], other=0.0)
     if ROTATE:
-        r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
         if UPCAST:  # the Triton interpreter (CPU tests) mishandles 16-bit dot operands
             x = tl.dot(x.to(tl.float32), r.to(tl.float32))
         else:
@@ -78,12 +77,15 @@ def _quantize_pack_channels_kernel(
     b = pid_bh // heads
     h = pid_bh % heads
     cols = tl.arange(0, D)
+    if ROTATE:  # loaded once for both passes
+        r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
+    else:
+        r = 0.0
     lo = tl.full((D,), float("inf"), tl.float32)
     hi = tl.full((D,), float("-inf"), tl.float32)
     for t0 in range(0, BLOCK, SUB):
         rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
-        x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
-                          ROTATE, STORE_BF16, UPCAST)
+        x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
         lo = tl.minimum(lo, tl.min(x, axis=0))
         hi = tl.maximum(hi, tl.max(x, axis=0))
     scale, minimum = _scale_minimum(lo, hi, META)
@@ -96,8 +98,7 @@ def _quantize_pack_channels_kernel(
     shifts = (tl.arange(0, 4) * 2)[None, :, None]
     for t0 in range(0, BLOCK, SUB):
         rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
-        x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
-                          ROTATE, STORE_BF16, UPCAST)
+        x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
         codes = _rint((x - m[None, :]) / s[None, :])
         codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
         codes = tl.reshape(codes, (SUB, 4, D // 4))
@@ -125,8 +126,11 @@ def _quantize_pack_kernel(
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
     row_ok = rows < n_rows
-    x = _rotated_rows(x_ptr, rot_ptr, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, sr_h, sr_i, sr_j,
-                      ROTATE, STORE_BF16, UPCAST)
+    if ROTATE:
+        r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
+    else:
+        r = 0.0
+    x = _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
     if CLIP:
         mag = tl.sort(tl.abs(x), dim=1)
         tau = tl.sum(tl.where(cols[None, :] == clip_index, mag, 0.0), axis=1)
@@ -181,7 +185,7 @@ def quantize_pack_triton(
             x, rot, codes, meta, h, start,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
             D=d, BLOCK=block, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
-            META=_META_CODES[meta.dtype], UPCAST=upcast,
+            META=_META_CODES[meta.dtype], UPCAST=upcast, num_stages=1,  # no pipelined copies of the rotation
         )
         return
     groups = meta.shape[3]

@@ -94,6 +94,7 @@ def _lowp_reference(args):
     dict(t=1, g=4, d=64, nh=0, mask=False),      # no history yet
     dict(t=2, g=2, d=64, ns=5, nh=0, nr=0),      # batch row 0 is all padding: fully masked rows give 0 and -inf
     dict(t=1, g=4, d=128, nh=256, key_block=128),  # channel-wise keys: two blocks, decode
+    dict(t=1, g=4, d=128, nh=192, key_block=64),  # tiles of 128 span two blocks; the last tile's second is absent
     dict(t=3, g=2, d=64, nh=96, key_block=32, groups=2),  # channel-wise keys, tiles smaller than the default
 ])
 def test_segment_attention_kernel_matches_the_twin(case):
