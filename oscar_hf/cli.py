@@ -39,7 +39,7 @@ def _first_line(error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def resolve_model(spec: str) -> str:
+def resolve_model(spec: str, what: str = "model") -> str:
     """What `from_pretrained` gets for a `--model` value: the folder of an offline model, a local folder that must
     exist (checked before any Hub call, so a typo says "not found"), or a Hub repo id."""
     from .assets import model_path
@@ -55,8 +55,8 @@ def resolve_model(spec: str) -> str:
     if is_local_path(spec):
         folder = Path(spec).expanduser()
         if not folder.exists():
-            raise UsageError(f"model folder {spec} not found")
-        if not (folder / "config.json").is_file():
+            raise UsageError(f"{what} folder {spec} not found")
+        if what == "model" and not (folder / "config.json").is_file():
             raise UsageError(f"{spec} is not a model folder: config.json not found in it")
     return spec
 
@@ -78,7 +78,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     except (OSError, ValueError, KeyError) as e:  # transformers' errors for a missing repo, file or model type
         raise UsageError(f"cannot load model {spec!r}: {_first_line(e)}") from e
     model_geometry(model.config)  # refuses an unsupported architecture now, with the reason
-    source = resolve_model(tokenizer) if tokenizer else path
+    source = resolve_model(tokenizer, "tokenizer") if tokenizer else path
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:  # a missing tokenizer fails in many ways deep inside transformers

@@ -285,7 +285,9 @@ class OscarRotations:
             rotations = cls._load(weights, config_path)
         except RotationFileError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a field missing or of the wrong type
+        except KeyError as e:
+            raise RotationFileError(f"{config_path} is malformed: it lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type
             raise RotationFileError(f"{config_path} is malformed: {type(e).__name__}: {e}") from None
         if model is not None:
             rotations.check_fingerprint(model, strict=not allow_other_weights)
