@@ -386,7 +386,12 @@ def calibrate(
     curves: dict[int, dict] = {}
     if heldout and config.bits < 16:
         key_clips, value_clips = {}, {}
-        for layer in geometry.oscar_layers:
+        layers = geometry.oscar_layers
+        if progress:  # about half of the calibration time
+            from tqdm.auto import tqdm
+
+            layers = tqdm(layers, desc="OSCAR clip fitting", unit="layer")
+        for layer in layers:
             q, k, v, scale = collector.record[layer]
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
