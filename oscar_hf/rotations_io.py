@@ -433,15 +433,15 @@ def is_local_path(spec: str) -> bool:
 
 def weight_fingerprint(model) -> dict[str, Any] | None:
     """A fingerprint of the weights rotations are calibrated on: sha256 over the sign bits (and shapes) of the
-    q_proj/k_proj weights of the first and last layer, taken in float32 on the CPU.
+    q_proj/k_proj (GPT-2: c_attn) weights of the first and last layer, taken in float32 on the CPU.
 
     Sign bits survive every float cast, so bf16, fp16 and fp32 loads of one checkpoint agree, while other weights of
-    the same shapes (another fine-tune, a random init) differ. `None` when there is nothing to hash (no q_proj/k_proj,
+    the same shapes (another fine-tune, a random init) differ. `None` when there is nothing to hash (no such weights,
     weights on the meta device or stored as integers).
     """
     found = []
     for name, param in model.named_parameters():
-        match = re.search(r"\.(\d+)\.(?:.*\.)?([qk])_proj\.weight$", name)
+        match = re.search(r"\.(\d+)\.(?:.*\.)?(q_proj|k_proj|c_attn)\.weight$", name)  # c_attn: GPT-2's fused qkv
         if match:
             found.append((int(match.group(1)), match.group(2), param))
     if not found:
@@ -457,7 +457,7 @@ def weight_fingerprint(model) -> dict[str, Any] | None:
         digest.update(np.packbits(signs.numpy()).tobytes())
     return {
         "sha256": digest.hexdigest(),
-        "method": "sign bits of q_proj/k_proj weights, first and last layer",
+        "method": "sign bits of q_proj/k_proj (or c_attn) weights, first and last layer",
         "layers": list(ends),
     }
 
