@@ -25,6 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--rotations", default=None, help="OSCAR rotations (folder or Hub id); needed for oscar methods")
     parser.add_argument("--data", default=None, help="text/json/jsonl file or hf:... (default: the evaluation essays)")
+    parser.add_argument("--allow-other-weights", action="store_true",
+                        help="use rotations calibrated on other weights of the same shapes (a warning instead of an error)")
     parser.add_argument("--methods", default="oscar,naive-int2,hadamard-int2,kivi2",
                         help="comma-separated methods (see oscar_hf.evaluation.methods)")
     parser.add_argument("--config", default=None, help="OscarConfig (YAML/JSON) for the 'oscar' method")
@@ -59,7 +61,7 @@ def run(args) -> int:
     if needing:
         if not args.rotations:
             raise UsageError(f"method(s) {needing} need calibrated rotations: pass --rotations (see `oscar-hf calibrate`)")
-        loaded = load_rotations(args.rotations, model, allow_other_weights=False)
+        loaded = load_rotations(args.rotations, model, allow_other_weights=getattr(args, "allow_other_weights", False))
         rotations = {n: loaded for n in needing}
     if args.data is None:
         from ..assets import essay_split
@@ -69,7 +71,7 @@ def run(args) -> int:
         docs, info = load_texts(args.data)
         source = info.get("source")
     seqs = token_sequences(tokenizer, docs, args.context + args.chunk, args.sequences)
-    if not args.quiet:  # each sequence runs BF16 and every method: minutes on a CPU
+    if not getattr(args, "quiet", False):  # each sequence runs BF16 and every method: minutes on a CPU
         from tqdm.auto import tqdm
 
         seqs = tqdm(seqs, desc="per-layer report", unit="seq")
