@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from .rotation import is_power_of_two
 
-# Families whose attention modules call `cache.update(...)` then `ALL_ATTENTION_FUNCTIONS` with post-RoPE q/k/v,
-# and that the test-suite covers.
+# Families whose attention modules call `cache.update(...)` then `ALL_ATTENTION_FUNCTIONS` with post-RoPE q/k/v
+# (GPT-2: absolute positions, plain q/k/v), and that the test-suite covers; any other model type warns once.
 TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
 
 # Known architectures we refuse, with the reason.

@@ -15,6 +15,10 @@ older oscar-hf releases still read it; both versions are read here (a version-1 
 
 Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
 checks the file against a model config and names the field and both values on mismatch.
+
+Beside the model: `from_pretrained(model)` looks in the model's own folder or Hub repo (root, then `oscar/`). The JSON
+may carry `weight_fingerprint` (`weight_fingerprint(model)`: a hash of a few projection weights), which
+`check_fingerprint` compares, so rotations calibrated for other weights of the same shapes are caught.
 """
 
 from __future__ import annotations
@@ -270,13 +274,14 @@ class OscarRotations:
         subfolders = [subfolder] if subfolder else [None, ROTATIONS_SUBFOLDER]
         local = Path(model_or_path).expanduser()
         if local.is_dir():
-            found = [local / s if s else local for s in subfolders if (local / s if s else local).joinpath(CONFIG_NAME).is_file()]
-            if not found:
-                where = " or ".join(str(local / s if s else local) for s in subfolders)
+            candidates = [local / s if s else local for s in subfolders]
+            found = next((c for c in candidates if (c / CONFIG_NAME).is_file()), None)
+            if found is None:
+                where = " or ".join(str(c) for c in candidates)
                 raise RotationFileError(f"{where} is not an OSCAR rotation folder: {CONFIG_NAME} is missing")
-            weights, config_path = found[0] / WEIGHTS_NAME, found[0] / CONFIG_NAME
+            weights, config_path = found / WEIGHTS_NAME, found / CONFIG_NAME
             if not weights.is_file():
-                raise RotationFileError(f"{found[0]} is not an OSCAR rotation folder: {WEIGHTS_NAME} is missing")
+                raise RotationFileError(f"{found} is not an OSCAR rotation folder: {WEIGHTS_NAME} is missing")
         elif is_local_path(str(model_or_path)):
             raise RotationFileError(f"rotation folder {model_or_path} not found")
         else:
