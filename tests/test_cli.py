@@ -6,7 +6,7 @@ import pytest
 
 from conftest import char_tokenizer, rewrite_rotation_file, tiny_model
 from oscar_hf import OscarConfig, OscarRotations
-from oscar_hf.cli import UsageError, _prompt_ids, build_parser, load_model, main
+from oscar_hf.cli import UsageError, _prompt_ids, build_parser, load_model, main, resolve_model
 from test_calibrate import SMALL, TEXT
 
 
@@ -73,11 +73,15 @@ def test_missing_prompt_is_an_error(model_dir, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ errors: one line, status 2
 def _error(capsys, argv) -> str:
-    """Runs `oscar-hf argv`, checks it failed with status 2 and one stderr line; returns that line."""
+    """Runs `oscar-hf argv`, checks it failed with status 2 and one error line (after progress bars, if any, and no
+    traceback); returns that line."""
+    capsys.readouterr()  # drop what came before
     assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("oscar-hf: error: "), lines
-    return lines[0]
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines[-1].startswith("oscar-hf: error: "), lines
+    assert sum("error" in line for line in lines) == 1, lines
+    return lines[-1]
 
 
 def test_missing_local_paths_say_not_found(model_dir, tmp_path, capsys):
@@ -190,3 +194,20 @@ def test_chat_template_is_applied_by_default():
     tokenizer.chat_template = "{% for m in messages %}Q:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
     assert tokenizer.decode(_prompt_ids(tokenizer, "hi", chat=True)[0]).replace(" ", "").endswith("Q:hi\nA:".replace(" ", ""))
     assert _prompt_ids(tokenizer, "hi", chat=False).tolist() == plain.tolist()
+
+
+def test_offline_names_resolve_alike_in_every_form(monkeypatch, tmp_path):
+    from oscar_hf import assets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(assets, "model_path", lambda name: tmp_path / "models" / name)
+    assert resolve_model("smollm2-135m") == resolve_model("offline:smollm2-135m") == str(tmp_path / "models" / "smollm2-135m")
+    assert resolve_model("org/some-model") == "org/some-model"  # a Hub id stays one
+
+
+def test_an_unsupported_model_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "odd"
+    tiny_model("llama", attn="sdpa", head_dim=12).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    line = _error(capsys, ["generate", "--model", str(folder), "--prompt", "hi", "--dtype", "float32"])
+    assert "head_dim 12 is not a power of two" in line
