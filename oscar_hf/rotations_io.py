@@ -17,16 +17,24 @@ unless given a config (and warns when the config's layout differs from the file'
 
 Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
 checks the file against a model config and names the field and both values on mismatch.
+
+Beside the model: `from_pretrained(model)` looks in the model's own folder or Hub repo (root, then `oscar/`). The JSON
+may carry `weight_fingerprint` (`weight_fingerprint(model)`: a hash of a few projection weights), which
+`check_fingerprint` compares, so rotations calibrated for other weights of the same shapes are caught.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -41,6 +49,8 @@ LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8}  # what format
 LAYOUT_FIELDS = ("key_granularity", "demotion_block")
 WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_rotations.json"
+ROTATIONS_SUBFOLDER = "oscar"  # where rotations sit inside a model folder or repo
+FINGERPRINT_KEY = "weight_fingerprint"  # metadata field: see `weight_fingerprint`
 ORTHOGONALITY_TOLERANCE = 1e-4
 # Geometry fields that must match between the rotation file and the model.
 MATCHED_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -250,32 +260,89 @@ class OscarRotations:
     @classmethod
     def from_pretrained(
         cls,
-        path_or_repo_id: str | os.PathLike,
+        model_or_path: str | os.PathLike | Any,
         *,
         revision: str | None = None,
         subfolder: str | None = None,
         cache_dir: str | None = None,
         token: str | bool | None = None,
         local_files_only: bool | None = None,
+        allow_other_weights: bool = False,
     ) -> "OscarRotations":
-        """Loads rotations from a local folder, a Hub repo id (any `revision`), or the offline Hub cache."""
-        path = Path(path_or_repo_id)
-        if subfolder:
-            path = path / subfolder
-        if path.is_dir():
-            weights, config = path / WEIGHTS_NAME, path / CONFIG_NAME
-            for f in (weights, config):
-                if not f.is_file():
-                    raise RotationFileError(f"{path} is not an OSCAR rotation folder: {f.name} is missing")
-        else:
-            from huggingface_hub import hf_hub_download
+        """Loads rotations from a local folder, a Hub repo id (any `revision`), or the offline Hub cache.
 
-            kwargs = dict(revision=revision, subfolder=subfolder, cache_dir=cache_dir, token=token)
-            if local_files_only is not None:
-                kwargs["local_files_only"] = local_files_only
-            config = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, **kwargs))
-            weights = Path(hf_hub_download(str(path_or_repo_id), WEIGHTS_NAME, **kwargs))
-        return cls._load(weights, config)
+        `model_or_path` may also be the model itself: the rotations are then looked up beside it (its
+        `config._name_or_path`, a folder or a Hub repo), and checked against its weights (`check_fingerprint`;
+        `allow_other_weights=True` turns a mismatch into a warning). Without `subfolder`, a folder or repo is searched
+        at its root, then in `oscar/` (where `oscar-hf calibrate` writes by default for a model folder).
+        """
+        model = None
+        if not isinstance(model_or_path, (str, os.PathLike)):
+            model = model_or_path
+            config = getattr(model, "config", model)
+            model_or_path = getattr(config, "_name_or_path", None) or ""
+            if not model_or_path:
+                raise RotationFileError(
+                    "the model has no config._name_or_path to look for rotations beside: pass the rotation folder or repo id"
+                )
+        subfolders = [subfolder] if subfolder else [None, ROTATIONS_SUBFOLDER]
+        local = Path(model_or_path).expanduser()
+        if local.is_dir():
+            candidates = [local / s if s else local for s in subfolders]
+            found = next((c for c in candidates if (c / CONFIG_NAME).is_file()), None)
+            if found is None:
+                where = " or ".join(str(c) for c in candidates)
+                raise RotationFileError(f"{where} is not an OSCAR rotation folder: {CONFIG_NAME} is missing")
+            weights, config_path = found / WEIGHTS_NAME, found / CONFIG_NAME
+            if not weights.is_file():
+                raise RotationFileError(f"{found} is not an OSCAR rotation folder: {WEIGHTS_NAME} is missing")
+        elif is_local_path(str(model_or_path)):
+            raise RotationFileError(f"rotation folder {model_or_path} not found")
+        else:
+            weights, config_path = _download(str(model_or_path), subfolders, revision, cache_dir, token, local_files_only)
+        try:
+            rotations = cls._load(weights, config_path)
+        except RotationFileError:
+            raise
+        except KeyError as e:
+            raise RotationFileError(f"{config_path} is malformed: it lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type
+            raise RotationFileError(f"{config_path} is malformed: {type(e).__name__}: {e}") from None
+        if model is not None:
+            rotations.check_fingerprint(model, strict=not allow_other_weights)
+        return rotations
+
+    def check_fingerprint(self, model, strict: bool = True) -> None:
+        """Checks that these rotations were calibrated on `model`'s weights, not just on its shapes.
+
+        Raises `RotationFileError` naming both fingerprints on a mismatch (`strict=False`: a warning instead). A file
+        without a fingerprint (older oscar-hf, or `calibrate()` output saved without one) loads with a one-time
+        warning; data-free rotations need no fingerprint.
+        """
+        recorded = self.metadata.get(FINGERPRINT_KEY)
+        if recorded is None:
+            if not self.metadata.get("method", {}).get("data_free"):
+                _warn_once(
+                    "rotation file records no weight fingerprint, so it cannot be checked against the model's weights "
+                    "(recalibrate with `oscar-hf calibrate`, or set rotations.metadata['weight_fingerprint'] = "
+                    "weight_fingerprint(model) before saving)"
+                )
+            return
+        mine = recorded.get("sha256") if isinstance(recorded, dict) else None
+        if not isinstance(mine, str):
+            raise RotationFileError(f"rotation metadata field {FINGERPRINT_KEY!r} is malformed: {recorded!r:.120}")
+        theirs = weight_fingerprint(model)
+        if theirs is None or theirs["sha256"] == mine:
+            return  # nothing to compare (quantized or offloaded weights), or the same weights
+        name = getattr(getattr(model, "config", model), "_name_or_path", None) or type(model).__name__
+        message = (
+            f"rotations were calibrated on other weights than {name!r}: weight fingerprint {mine[:16]} in the "
+            f"rotation file, {theirs['sha256'][:16]} for the model (same shapes, different values; recalibrate, or "
+            "pass allow_other_weights=True / --allow-other-weights to use them anyway)"
+        )
+        if strict:
+            raise RotationFileError(message)
+        warnings.warn(message, stacklevel=2)
 
     @classmethod
     def _load(cls, weights_path: Path, config_path: Path) -> "OscarRotations":
@@ -357,6 +424,75 @@ class OscarRotations:
                 revision=revision,
                 commit_message=commit_message,
             )
+
+
+def _download(repo_id: str, subfolders, revision, cache_dir, token, local_files_only) -> tuple[Path, Path]:
+    """`(weights, json)` from a Hub repo (or the offline Hub cache): the first of `subfolders` that has them."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    kwargs = dict(revision=revision, cache_dir=cache_dir, token=token)
+    if local_files_only is not None:
+        kwargs["local_files_only"] = local_files_only
+    first_error = None
+    for subfolder in subfolders:
+        try:
+            config = Path(hf_hub_download(repo_id, CONFIG_NAME, subfolder=subfolder, **kwargs))
+            return Path(hf_hub_download(repo_id, WEIGHTS_NAME, subfolder=subfolder, **kwargs)), config
+        except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError) as e:
+            first_error = first_error or e
+    reason = str(first_error).strip().splitlines()[0] if str(first_error).strip() else type(first_error).__name__
+    places = " or its oscar/ subfolder" if len(subfolders) > 1 else f" subfolder {subfolders[0]}/"
+    raise RotationFileError(f"no OSCAR rotations found in Hub repo {repo_id!r}{places}: {reason}") from first_error
+
+
+def is_local_path(spec: str) -> bool:
+    """True when `spec` can only mean a local path (absolute, ./, ../, ~, or under an existing folder), so that a
+    missing one is reported as "not found" instead of being tried as a Hub repo id."""
+    if spec in (".", "..") or spec.startswith(("/", "./", "../", "~", ".\\", "..\\")) or Path(spec).is_absolute():
+        return True
+    parent = Path(spec).parent
+    return Path(spec).exists() or (str(parent) != "." and parent.is_dir())
+
+
+def weight_fingerprint(model) -> dict[str, Any] | None:
+    """A fingerprint of the weights rotations are calibrated on: sha256 over the sign bits (and shapes) of the
+    q_proj/k_proj (GPT-2: c_attn) weights of the first and last layer, taken in float32 on the CPU.
+
+    Sign bits survive every float cast, so bf16, fp16 and fp32 loads of one checkpoint agree, while other weights of
+    the same shapes (another fine-tune, a random init) differ. `None` when there is nothing to hash (no such weights,
+    weights on the meta device or stored as integers).
+    """
+    found = []
+    for name, param in model.named_parameters():
+        match = re.search(r"\.(\d+)\.(?:.*\.)?(q_proj|k_proj|c_attn)\.weight$", name)  # c_attn: GPT-2's fused qkv
+        if match:
+            found.append((int(match.group(1)), match.group(2), param))
+    if not found:
+        return None
+    ends = (min(f[0] for f in found), max(f[0] for f in found))
+    chosen = sorted((f for f in found if f[0] in ends), key=lambda f: (f[0], f[1]))
+    digest = hashlib.sha256()
+    for layer, which, param in chosen:
+        if param.device.type == "meta" or not param.dtype.is_floating_point:
+            return None
+        signs = torch.signbit(param.detach().to("cpu", torch.float32)).flatten()
+        digest.update(f"{'first' if layer == ends[0] else 'last'}.{which}{tuple(param.shape)};".encode())
+        digest.update(np.packbits(signs.numpy()).tobytes())
+    return {
+        "sha256": digest.hexdigest(),
+        "method": "sign bits of q_proj/k_proj (or c_attn) weights, first and last layer",
+        "layers": list(ends),
+    }
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _as_geometry(config_or_geometry) -> ModelGeometry:

@@ -1,10 +1,12 @@
+import argparse
 import json
+import re
 
 import pytest
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, rewrite_rotation_file, tiny_model
 from oscar_hf import OscarConfig, OscarRotations
-from oscar_hf.cli import main
+from oscar_hf.cli import UsageError, _prompt_ids, build_parser, load_model, main, resolve_model
 from test_calibrate import SMALL, TEXT
 
 
@@ -67,3 +69,145 @@ def test_missing_prompt_is_an_error(model_dir, tmp_path, capsys):
     rot = OscarRotations.data_free(tiny_model("llama"), "hadamard")
     rot.save_pretrained(tmp_path / "r")
     assert main(["generate", "--model", str(model_dir), "--rotations", str(tmp_path / "r"), "--dtype", "float32"]) == 2
+
+
+# ------------------------------------------------------------------------------------------------ errors: one line, status 2
+def _error(capsys, argv) -> str:
+    """Runs `oscar-hf argv`, checks it failed with status 2 and one error line (after progress bars, if any, and no
+    traceback); returns that line."""
+    capsys.readouterr()  # drop what came before
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines[-1].startswith("oscar-hf: error: "), lines
+    assert sum("error" in line for line in lines) == 1, lines
+    return lines[-1]
+
+
+def test_missing_local_paths_say_not_found(model_dir, tmp_path, capsys):
+    gen = ["generate", "--prompt", "hi", "--dtype", "float32"]
+    assert "model folder /no/such/model not found" in _error(capsys, [*gen, "--model", "/no/such/model"])
+    assert "model folder ./no-such-model not found" in _error(capsys, [*gen, "--model", "./no-such-model"])
+    missing = str(tmp_path / "no-rotations")
+    assert f"rotation folder {missing} not found" in _error(capsys, [*gen, "--model", str(model_dir), "--rotations", missing])
+    assert "config file" in _error(capsys, [*gen, "--model", str(model_dir), "--config", str(tmp_path / "c.yaml")])
+    data = str(tmp_path / "calib.txt")
+    assert f"calibration data file {data} not found" in _error(
+        capsys, ["calibrate", "--model", str(model_dir), "--output", str(tmp_path / "r"), "--data", data])
+    assert "is not a model folder: config.json" in _error(capsys, [*gen, "--model", str(tmp_path)])
+
+
+def test_bad_values_and_files_are_one_line(model_dir, tmp_path, capsys):
+    gen = ["generate", "--model", str(model_dir), "--dtype", "float32"]
+    assert "the prompt is empty" in _error(capsys, [*gen, "--prompt", " "])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{broken")
+    assert f"config file {bad}:" in _error(capsys, [*gen, "--prompt", "hi", "--config", str(bad)])
+    bad.write_text('{"bits": 5}')
+    assert "OscarConfig.bits" in _error(capsys, [*gen, "--prompt", "hi", "--config", str(bad)])
+    assert "unknown offline model 'nope'" in _error(capsys, ["calibrate", "--model", "offline:nope", "--output", "x"])
+    rot = tmp_path / "r"
+    rewrite_rotation_file(rot, OscarRotations.data_free(tiny_model("llama"), "hadamard"),
+                          edit_json=lambda meta: meta.pop("model"))
+    assert "oscar_rotations.json is malformed: it lacks the field 'model'" in _error(
+        capsys, [*gen, "--prompt", "hi", "--rotations", str(rot)])
+
+
+def test_no_rotations_beside_the_model_says_what_to_do(model_dir, capsys):
+    line = _error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--dtype", "float32"])
+    assert "none beside the model" in line and "oscar-hf calibrate" in line
+
+
+def test_debug_shows_the_traceback(model_dir, monkeypatch):
+    with pytest.raises(UsageError, match="the prompt is empty"):
+        main(["generate", "--model", str(model_dir), "--prompt", "", "--debug"])
+    monkeypatch.setenv("OSCAR_HF_DEBUG", "1")
+    with pytest.raises(UsageError):
+        main(["generate", "--model", str(model_dir), "--prompt", ""])
+
+
+def test_every_option_has_help_and_model_help_lists_offline_names():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("calibrate", "generate", "demo", "eval", "report"):
+        for action in subparsers.choices[name]._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+            if "--model" in action.option_strings:
+                assert "smollm2-135m" in action.help, name
+
+
+def test_missing_tokenizer_points_to_the_flag(tmp_path, capsys):
+    bare = tmp_path / "bare"
+    tiny_model("llama", attn="sdpa").save_pretrained(bare)
+    line = _error(capsys, ["generate", "--model", str(bare), "--prompt", "hi", "--dtype", "float32"])
+    assert "cannot load a tokenizer" in line and "--tokenizer" in line
+    tokenizer = tmp_path / "tok"
+    char_tokenizer().save_pretrained(tokenizer)
+    model, tok, _ = load_model(str(bare), "float32", tokenizer=str(tokenizer))
+    assert tok("ab").input_ids[-2:] == char_tokenizer()("ab").input_ids[-2:]
+
+
+# ------------------------------------------------------------------------------------------------ rotations beside the model
+def test_calibrate_into_the_model_folder_then_generate_finds_them(model_dir, tmp_path, capsys):
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    config = tmp_path / "oscar.yaml"
+    OscarConfig(**SMALL).save(config)
+    assert main(["calibrate", "--model", str(model_dir), "--data", str(data), "--config", str(config),
+                 "--dtype", "float32", "--quiet"]) == 0
+    assert (model_dir / "oscar" / "oscar_rotations.json").is_file()
+    assert main(["generate", "--model", str(model_dir), "--prompt", TEXT[:60], "--max-new-tokens", "4",
+                 "--config", str(config), "--dtype", "float32"]) == 0
+
+
+def test_rotations_of_other_weights_are_refused_unless_allowed(model_dir, tmp_path, capsys):
+    _calibrate_small(model_dir, tmp_path, "oscar.yaml")
+    other = tmp_path / "other"  # the same config, other (random) weights
+    tiny_model("llama", attn="sdpa", seed=1).save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    gen = ["generate", "--model", str(other), "--rotations", str(tmp_path / "r"), "--prompt", TEXT[:60],
+           "--max-new-tokens", "4", "--config", str(tmp_path / "oscar.yaml"), "--dtype", "float32"]
+    line = _error(capsys, gen)
+    assert "calibrated on other weights" in line and "--allow-other-weights" in line
+    assert main([*gen, "--allow-other-weights"]) == 0
+    assert "oscar-hf: warning: rotations were calibrated on other weights" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ memory report, chat
+def test_memory_report_on_a_short_prompt_says_nothing_is_quantized(model_dir, tmp_path, capsys):
+    _calibrate_small(model_dir, tmp_path, "oscar.yaml")
+    assert main(["generate", "--model", str(model_dir), "--rotations", str(tmp_path / "r"), "--prompt", TEXT[:40],
+                 "--max-new-tokens", "4", "--dtype", "float32", "--compare"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"all 4\d tokens are still in the BF16 sink/window: nothing is quantized yet", printed)
+    assert "smaller" not in printed and "KV bytes reserved" in printed
+    assert main(["generate", "--model", str(model_dir), "--rotations", str(tmp_path / "r"), "--prompt", TEXT[:40],
+                 "--max-new-tokens", "4", "--dtype", "float32", "--config", str(tmp_path / "oscar.yaml")]) == 0
+    printed = capsys.readouterr().out  # sink 4 + window 8: most tokens are in the INT2 history
+    assert "nothing is quantized" not in printed and "x smaller" in printed and "in the INT2 history" in printed
+
+
+def test_chat_template_is_applied_by_default():
+    tokenizer = char_tokenizer()
+    plain = _prompt_ids(tokenizer, "hi", chat=True)  # no template: plain text
+    assert plain.tolist() == tokenizer("hi", return_tensors="pt").input_ids.tolist()
+    tokenizer.chat_template = "{% for m in messages %}Q:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    assert tokenizer.decode(_prompt_ids(tokenizer, "hi", chat=True)[0]).replace(" ", "").endswith("Q:hi\nA:".replace(" ", ""))
+    assert _prompt_ids(tokenizer, "hi", chat=False).tolist() == plain.tolist()
+
+
+def test_offline_names_resolve_alike_in_every_form(monkeypatch, tmp_path):
+    from oscar_hf import assets
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(assets, "model_path", lambda name: tmp_path / "models" / name)
+    assert resolve_model("smollm2-135m") == resolve_model("offline:smollm2-135m") == str(tmp_path / "models" / "smollm2-135m")
+    assert resolve_model("org/some-model") == "org/some-model"  # a Hub id stays one
+
+
+def test_an_unsupported_model_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "odd"
+    tiny_model("llama", attn="sdpa", head_dim=12).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    line = _error(capsys, ["generate", "--model", str(folder), "--prompt", "hi", "--dtype", "float32"])
+    assert "head_dim 12 is not a power of two" in line

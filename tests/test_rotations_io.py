@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import rewrite_rotation_file, tiny_config
+from conftest import rewrite_rotation_file, tiny_config, tiny_model
 from oscar_hf import OscarRotations, RotationFileError
-from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME
+from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME, weight_fingerprint
 
 
 def _rotations(family="llama", kind="hadamard"):
@@ -173,3 +173,46 @@ def test_missing_or_corrupt_files(tmp_path):
     (tmp_path / CONFIG_NAME).write_text("{broken")
     with pytest.raises(RotationFileError, match="not valid JSON"):
         OscarRotations.from_pretrained(tmp_path)
+
+
+def test_weight_fingerprint_tells_weights_apart_but_not_dtypes(tmp_path):
+    model = tiny_model("llama")
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata = {"weight_fingerprint": weight_fingerprint(model)}
+    rotations.save_pretrained(tmp_path)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    loaded.check_fingerprint(model)
+    loaded.check_fingerprint(tiny_model("llama", dtype=torch.bfloat16))  # same weights in another dtype
+    other = tiny_model("llama", seed=1)  # the same config, other random weights
+    with pytest.raises(RotationFileError, match=r"calibrated on other weights .* fingerprint [0-9a-f]{16} in the rotation file, [0-9a-f]{16} for the model"):
+        loaded.check_fingerprint(other)
+    with pytest.warns(UserWarning, match="calibrated on other weights"):
+        loaded.check_fingerprint(other, strict=False)
+
+
+def test_rotations_are_found_beside_the_model(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata["weight_fingerprint"] = weight_fingerprint(model)
+    rotations.save_pretrained(tmp_path / "oscar")
+    reloaded = type(model).from_pretrained(tmp_path)  # config._name_or_path is the folder
+    assert OscarRotations.from_pretrained(reloaded).layers == rotations.layers
+    assert OscarRotations.from_pretrained(tmp_path).layers == rotations.layers
+    other = tiny_model("llama", seed=1)
+    other.config._name_or_path = str(tmp_path)
+    with pytest.raises(RotationFileError, match="other weights"):
+        OscarRotations.from_pretrained(other)
+    with pytest.warns(UserWarning, match="other weights"):  # a warning only
+        OscarRotations.from_pretrained(other, allow_other_weights=True)
+
+
+def test_a_file_without_fingerprint_loads_with_a_warning(tmp_path, monkeypatch):
+    from oscar_hf import rotations_io
+
+    monkeypatch.setattr(rotations_io, "_warned", set())
+    model = tiny_model("llama")
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata = {}  # as calibrate() output saved without a fingerprint
+    with pytest.warns(UserWarning, match="records no weight fingerprint"):
+        rotations.check_fingerprint(model)

@@ -20,25 +20,28 @@ from .methods import Windows, main_methods
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="folder, Hub id, or offline:NAME")
+    from ..cli import MODEL_HELP
+
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--rotations", default=None, help="OSCAR rotations (folder or Hub id); needed for oscar methods")
     parser.add_argument("--data", default=None, help="text/json/jsonl file or hf:... (default: the evaluation essays)")
+    parser.add_argument("--allow-other-weights", action="store_true",
+                        help="use rotations calibrated on other weights of the same shapes (a warning instead of an error)")
     parser.add_argument("--methods", default="oscar,naive-int2,hadamard-int2,kivi2",
                         help="comma-separated methods (see oscar_hf.evaluation.methods)")
     parser.add_argument("--config", default=None, help="OscarConfig (YAML/JSON) for the 'oscar' method")
-    parser.add_argument("--context", type=int, default=1536)
-    parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--sequences", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--context", type=int, default=1536, help="tokens put into the cache before scoring")
+    parser.add_argument("--chunk", type=int, default=128, help="tokens run through the filled cache and compared")
+    parser.add_argument("--sequences", type=int, default=2, help="sequences of your text")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                        help="dtype the model is loaded in (default bfloat16)")
     parser.add_argument("--output", default=None, help="write the per-layer results as JSON")
     parser.add_argument("--plot", default=None, help="write a PNG of the per-layer errors")
 
 
 def run(args) -> int:
-    from ..cli import load_model
-    from ..config import OscarConfig
+    from ..cli import UsageError, load_config, load_rotations, load_model
     from ..data import load_texts, token_sequences
-    from ..rotations_io import OscarRotations
     from .diagnostics import format_table, layer_errors, plot
 
     torch.set_grad_enabled(False)
@@ -47,18 +50,18 @@ def run(args) -> int:
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     unknown = [n for n in names if n not in methods]
     if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; available: {', '.join(methods)}")
+        raise UsageError(f"unknown method(s) {unknown}; available: {', '.join(methods)}")
     methods = {n: methods[n] for n in names if n != "bf16"}
     if args.config and "oscar" in methods:
         from dataclasses import replace
 
-        methods["oscar"] = replace(methods["oscar"], oscar=OscarConfig.load(args.config))
+        methods["oscar"] = replace(methods["oscar"], oscar=load_config(args.config))
     rotations = {}
     needing = [n for n, m in methods.items() if m.needs_calibration]
     if needing:
         if not args.rotations:
-            raise SystemExit(f"method(s) {needing} need calibrated rotations: pass --rotations (see `oscar-hf calibrate`)")
-        loaded = OscarRotations.from_pretrained(args.rotations)
+            raise UsageError(f"method(s) {needing} need calibrated rotations: pass --rotations (see `oscar-hf calibrate`)")
+        loaded = load_rotations(args.rotations, model, allow_other_weights=getattr(args, "allow_other_weights", False))
         rotations = {n: loaded for n in needing}
     if args.data is None:
         from ..assets import essay_split
@@ -68,6 +71,10 @@ def run(args) -> int:
         docs, info = load_texts(args.data)
         source = info.get("source")
     seqs = token_sequences(tokenizer, docs, args.context + args.chunk, args.sequences)
+    if not getattr(args, "quiet", False):  # each sequence runs BF16 and every method: minutes on a CPU
+        from tqdm.auto import tqdm
+
+        seqs = tqdm(seqs, desc="per-layer report", unit="seq")
     results = layer_errors(model, seqs, methods, rotations, context=args.context, chunk=args.chunk)
     print(f"per-layer error vs BF16 on {args.sequences} x ({args.context} context + {args.chunk} scored) tokens of {source}")
     print("(attention KL in nats / relative attention-output error; 's' = sliding-window layer, BF16 in every method)")

@@ -73,6 +73,11 @@ def load(model_spec: str, dtype: str = "bfloat16"):
     if name in assets.OFFLINE_MODELS:
         path = assets.model_path(name)
         source = json.loads((path / "oscar_hf_source.json").read_text())
+    elif model_spec.startswith("offline:"):
+        raise FileNotFoundError(f"unknown offline model {name!r}; available: {', '.join(assets.OFFLINE_MODELS)}")
+    elif not (Path(model_spec) / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {model_spec} not found (or it has no config.json); offline models: "
+                                f"{', '.join(assets.OFFLINE_MODELS)}")
     else:
         path, source = Path(model_spec), {"path": str(Path(model_spec).resolve())}
         name = path.resolve().name
@@ -91,7 +96,7 @@ class Session:
 
     def __init__(self, model_spec: str, output: str | Path = "eval/results", dtype: str = "bfloat16",
                  calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None,
-                 calibration_length: int = 2048, domain: str = "essays"):
+                 calibration_length: int = 2048, domain: str = "essays", progress: bool = False):
         if threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
@@ -99,7 +104,7 @@ class Session:
         self.windows = windows
         self.output = Path(output) / self.info["name"]
         self.output.mkdir(parents=True, exist_ok=True)
-        self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=False,
+        self.store = RotationStore(self.model, self.tokenizer, calibration_tokens=calibration_tokens, progress=progress,
                                    calibration_sequence_length=calibration_length)
         self.rotation_dir = self.output / "rotations"
         # Evaluation text (disjoint from the calibration essays); results of other domains get a suffix.
@@ -299,7 +304,7 @@ def run(args) -> int:
 
         return run_tasks(args)
     session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
-                      args.calibration_length, args.domain)
+                      args.calibration_length, args.domain, progress=not getattr(args, "quiet", True))
     for stage in stages:
         if stage == "ppl":
             session.perplexity(select(all_methods(windows), args.methods or ",".join(main_methods(windows))),
@@ -331,19 +336,23 @@ def add_eval_arguments(parser) -> None:
     """The `oscar-hf eval` arguments (also used by the scripts under eval/)."""
     parser.add_argument("stage", choices=STAGES + EXPERIMENTS + ("all",),
                         help="metric to run ('all' = every stage but lm-eval and the experiments)")
-    parser.add_argument("--model", default="smollm2-135m", help=f"offline model ({', '.join(assets.OFFLINE_MODELS)}) or a folder")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help=f"a model installed from PyPI without a hub: {', '.join(assets.OFFLINE_MODELS)} (also "
+                             "written offline:NAME), or a local model folder (default smollm2-135m)")
     parser.add_argument("--output", default="eval/results", help="results folder (one sub-folder per model)")
     parser.add_argument("--domain", default="essays", choices=("essays", "python", "shakespeare"),
                         help="evaluation text (calibration always uses the default essays): results get a _DOMAIN suffix")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                        help="dtype the model is loaded in (default bfloat16)")
     parser.add_argument("--methods", default=None, help="comma-separated subset of the main methods (default: all)")
     parser.add_argument("--ablations", default=None, help="comma-separated subset of the ablations (default: all)")
-    parser.add_argument("--diagnostic-methods", default="oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4")
-    parser.add_argument("--diagnostic-sequences", type=int, default=2)
-    parser.add_argument("--sink", type=int, default=64)
-    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--diagnostic-methods", default="oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4",
+                        help="diagnostics: comma-separated methods")
+    parser.add_argument("--diagnostic-sequences", type=int, default=2, help="diagnostics: sequences")
+    parser.add_argument("--sink", type=int, default=64, help="full-precision sink tokens of the cache methods")
+    parser.add_argument("--window", type=int, default=256, help="full-precision recent-window tokens of the cache methods")
     parser.add_argument("--residual", type=int, default=128, help="KIVI / HF QuantizedCache full-precision residual")
-    parser.add_argument("--calibration-tokens", type=int, default=8192)
+    parser.add_argument("--calibration-tokens", type=int, default=8192, help="tokens the rotations are calibrated on")
     parser.add_argument("--calibration-length", type=int, default=2048, help="tokens per calibration sequence")
     parser.add_argument("--sequences", type=int, default=3, help="perplexity: evaluation sequences")
     parser.add_argument("--length", type=int, default=2048, help="perplexity: tokens per sequence")
@@ -352,10 +361,10 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--lengths", default="2048,4096,8000", help="NIAH: prompt lengths in tokens")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="NIAH: needle depths")
     parser.add_argument("--seeds", default="0", help="NIAH: seeds")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="NIAH: tokens generated for the answer")
     parser.add_argument("--needles", type=int, default=1,
                         help="NIAH: needles of the same pattern in the haystack (one is asked for); results niahN.json")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--tasks", default="oscar_bb_siqa", help="lm-eval: task names")
     parser.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
     parser.add_argument("--limit", type=int, default=None, help="lm-eval: documents per task")
