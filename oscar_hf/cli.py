@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from .assets import OFFLINE_MODELS
+from .config import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_HELP = (
     "a local model folder, a Hub repo id, or a model installed from PyPI without a hub: "
     f"{', '.join(OFFLINE_MODELS)} (also written offline:NAME)"

@@ -332,8 +332,8 @@ class OscarRotations:
         if not isinstance(mine, str):
             raise RotationFileError(f"rotation metadata field {FINGERPRINT_KEY!r} is malformed: {recorded!r:.120}")
         theirs = weight_fingerprint(model)
-        if theirs is None or theirs["sha256"] == mine:
-            return  # nothing to compare (quantized or offloaded weights), or the same weights
+        if theirs is None or theirs["sha256"] in (mine, getattr(self, "_accepted_weights", None)):
+            return  # nothing to compare (quantized or offloaded weights), the same weights, or accepted before
         name = getattr(getattr(model, "config", model), "_name_or_path", None) or type(model).__name__
         message = (
             f"rotations were calibrated on other weights than {name!r}: weight fingerprint {mine[:16]} in the "
@@ -343,6 +343,7 @@ class OscarRotations:
         if strict:
             raise RotationFileError(message)
         warnings.warn(message, stacklevel=2)
+        self._accepted_weights = theirs["sha256"]  # accepted once (allow_other_weights): later checks stay quiet
 
     @classmethod
     def _load(cls, weights_path: Path, config_path: Path) -> "OscarRotations":

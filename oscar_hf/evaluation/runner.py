@@ -68,7 +68,7 @@ def load(model_spec: str, dtype: str = "bfloat16"):
     import oscar_hf  # noqa: F401  (registers the "oscar" attention)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    from ..config import DTYPES as dtypes
     name = model_spec.split(":", 1)[1] if model_spec.startswith("offline:") else model_spec
     if name in assets.OFFLINE_MODELS:
         path = assets.model_path(name)
