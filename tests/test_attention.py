@@ -194,3 +194,18 @@ def test_a_view_that_does_not_fit_its_attention_call_raises():
     attn = model.model.layers[0].self_attn
     with pytest.raises(RuntimeError, match="do not belong together"):
         oscar_attention_forward(attn, torch.randn(1, 4, 1, 16), k, k, None, **{VIEW_KWARG: layer})
+
+
+def test_long_chunks_in_query_blocks_equal_one_block(monkeypatch):
+    from oscar_hf import attention
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(3))
+    rotations = OscarRotations.data_free(model, "hadamard")
+    logits = []
+    for block in (4096, 16):
+        monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+        cache = OscarCache(model, rotations, OscarConfig(value_clip="none", **SMALL))
+        model(input_ids=ids[:, :30], past_key_values=cache)
+        logits.append(model(input_ids=ids[:, 30:], past_key_values=cache).logits)  # 40 queries: 3 blocks of 16
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

@@ -172,3 +172,28 @@ def test_the_kernels_folder_does_not_shadow_huggingface_kernels(tmp_path):
     assert out[0] == "oscar_hf.kernels"
     repo = Path(__file__).resolve().parents[1]
     assert out[1] == "None" or not out[1].startswith(str(repo)), out
+
+
+def test_layouts_the_decode_kernel_cannot_read_are_refused_by_name(monkeypatch):
+    from oscar_hf import ops
+
+    assert "4 quantization groups" in ops.attention_layout_problem(256, 8, 8, 0)  # group_size 32 at head_dim 256
+    assert "head_dim" in ops.attention_layout_problem(32, 1, 1, 0)
+    assert "demotion_block" in ops.attention_layout_problem(128, 1, 0, 48)
+    assert ops.attention_layout_problem(128, 1, 0, 64) is None and ops.attention_layout_problem(64, 4, 4, 0) is None
+    args, _ = random_segments(t=1, g=2, d=64, nh=16, groups=8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="quantization groups"):  # the launcher itself never computes it wrongly
+        segment_attention_triton(*args)
+    monkeypatch.setenv("OSCAR_HF_KERNELS", "1")  # forced kernels: the op says why it cannot run, instead of a twin
+    with pytest.raises(RuntimeError, match="quantization groups"):
+        ops.segment_attention(*args)
+
+
+def test_fp16_states_through_the_kernel():
+    args, (ref, ref_lse) = random_segments(t=2, g=4, d=64, nh=64, key_block=32, dtype=torch.float16, seed=5)
+    out, lse = torch.ops.oscar.segment_attention(*args)
+    assert out.dtype == torch.float16
+    valid = torch.isfinite(ref_lse)
+    err = (out.double() - ref)[valid].abs().max().item()
+    lowp_err = (_lowp_reference(args) - ref)[valid].abs().max().item()
+    assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
