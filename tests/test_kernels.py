@@ -17,6 +17,19 @@ kernels = pytest.importorskip("oscar_hf.kernels", reason="Triton is not installe
 from oscar_hf.kernels.attention import segment_attention_triton  # noqa: E402
 
 
+def test_float32_metadata_is_not_rounded_to_16_bits():
+    """scale_dtype="float32": the kernel stores the same float32 scale and minimum as the twin (it used to round
+    them to fp16, and then the codes differed)."""
+    x = (torch.randn(1, 2, 24, 64, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
+    outputs = []
+    for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
+        codes, meta = _poisoned(1, 2, 24, 64, 1, torch.float32)
+        op(x, None, 0.9, codes, meta, 0, 0)
+        outputs.append((codes, meta))
+    assert torch.equal(outputs[0][1], outputs[1][1]) and torch.equal(outputs[0][0], outputs[1][0])
+    assert not torch.equal(outputs[1][1], outputs[1][1].half().float())  # really float32 precision
+
+
 def _poisoned(b, h, cap, d, groups, meta_dtype=torch.float16):
     codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
     meta = torch.full((b, h, cap, groups, 2), float("nan"), dtype=meta_dtype)
