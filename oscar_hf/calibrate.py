@@ -450,6 +450,14 @@ def calibrate(
 
     key_bases: dict[int, list[str]] = {}
     key_basis_errors_seen: dict[int, dict[str, list[float]]] = {}
+    if config.choose_key_basis and config.bits < 16 and not heldout:
+        # Nothing to choose on: channel-wise keys are safest unrotated (a dense rotation can mix slowly-varying
+        # channels with fast ones); token-wise keys keep the calibrated rotation, as the paper does.
+        if config.key_granularity == "channel":
+            for layer in geometry.oscar_layers:
+                h, d = key_rotations[layer].shape[:2]
+                key_rotations[layer] = torch.eye(d, dtype=torch.float64).expand(h, d, d).clone()
+                key_bases[layer] = ["identity"] * h
     key_clips = value_clips = None
     curves: dict[int, dict] = {}
     if heldout and config.bits < 16:

@@ -143,3 +143,33 @@ def test_device_map_models_calibrate(tmp_path, text_file):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, offload_folder=str(tmp_path / "off"))
     rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
     assert rot.layers == [0, 1, 2]
+
+
+def test_without_heldout_tokens_channelwise_keys_stay_unrotated(text_file):
+    model, tok = tiny_model("llama"), char_tokenizer()
+    config = OscarConfig(calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=0)
+    rotations = calibrate(model, tok, data=str(text_file), config=config, progress=False)
+    for rotation in rotations.key_rotations.values():
+        assert torch.equal(rotation, torch.eye(rotation.shape[-1]).expand_as(rotation))
+    assert set(rotations.metadata["key_basis"]["chosen"]["0"]) == {"identity"}
+
+
+def test_the_key_basis_choice_keeps_the_basis_with_the_lower_heldout_error():
+    from oscar_hf.calibrate import choose_key_basis, key_basis_candidates, key_basis_errors
+
+    g = torch.Generator().manual_seed(0)
+    t, d = 400, 16
+    key = torch.randn(2, t, d, generator=g) * 0.1
+    key[0, :, 0] += 100 * (torch.arange(t) % 2 * 2 - 1)  # head 0: one huge channel, flipping sign every token...
+    query = torch.randn(2, t, d, generator=g)
+    query[0, :, 0] = 0  # ...that its queries never look at: unrotated, its error stays where nobody looks
+    value = torch.randn(2, t, d, generator=g)
+    calibrated = torch.linalg.qr(torch.randn(2, d, d, generator=g, dtype=torch.float64))[0]
+    candidates = key_basis_candidates(calibrated)
+    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16)
+    errors = key_basis_errors(query, key, value, candidates, d ** -0.5, config)
+    assert errors["identity"][0] < 0.1 * errors["hadamard"][0]  # a rotation spreads the flipping channel everywhere
+    rotation, names = choose_key_basis(candidates, errors)
+    assert names[0] == "identity" and torch.equal(rotation[0], candidates["identity"][0])
+    shared, shared_names = choose_key_basis(candidates, errors, per_head=False)
+    assert shared_names[0] == shared_names[1] and torch.equal(shared[0], shared[1])
