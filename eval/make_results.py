@@ -26,7 +26,25 @@ LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "
 
 def load(model: str, stage: str):
     path = RESULTS / model / f"{stage}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return normalize(json.loads(path.read_text())) if path.is_file() else None
+
+
+def normalize(data: dict) -> dict:
+    """Files written before the storage format became channel-wise called the paper's layout `oscar`: read that row
+    as `oscar-token` (its layout), and leave out `oscar-s32w64` / `oscar_centered`, measured in the old layout under
+    names that now mean another one."""
+    methods = data["meta"].get("methods", {})
+    if "oscar" not in methods or "key_granularity" in methods["oscar"].get("oscar_config", {}):
+        return data
+    rename = {"oscar": "oscar-token"}
+    drop = {"oscar-s32w64", "oscar_centered"}
+    data["meta"]["methods"] = {rename.get(n, n): m for n, m in methods.items() if n not in drop}
+    res = data["results"]
+    if isinstance(res, dict):
+        data["results"] = {rename.get(n, n): r for n, r in res.items() if n not in drop}
+    else:
+        data["results"] = [dict(r, method=rename.get(r["method"], r["method"])) for r in res if r["method"] not in drop]
+    return data
 
 
 def fmt(x, digits=2):
@@ -297,7 +315,7 @@ def ablation_section(model: str, data: dict) -> list[str]:
     from oscar_hf.evaluation.methods import ablation_methods
 
     labels = {n: m.label for n, m in ablation_methods().items()}
-    base = res.get("oscar", {}).get("perplexity")
+    base = res.get("oscar-token", {}).get("perplexity")  # the paper layout the ablations vary
     lines = [f"### Ablations on `{model}` (perplexity through the cache, same protocol)", "",
              "| variant | what changes | PPL | vs OSCAR | bits/elem | history bits |", "|---|---|---|---|---|---|"]
     for name, r in res.items():
@@ -373,9 +391,10 @@ def closing_note(all_ppl: dict, all_niah: dict, ablations: dict | None) -> list[
         def bits(name):
             return fmt(res[name]["bits"]["bits_per_element"], 2)
 
-        parts = [f"**{model}** (perplexity vs BF16 {fmt(bf16)}, bits/element at {n_tok} tokens): "
-                 f"OSCAR {rel('oscar')} at {bits('oscar')} bits"]
-        for other in ("oscar-ref", "kivi2", "kivi2-g64", "oscar-s32w64", "hadamard-int2", "naive-int2", "hf-hqq-int2", "naive-int4"):
+        head = (f"OSCAR {rel('oscar')} at {bits('oscar')} bits" if "oscar" in res
+                else "the default layout not measured yet on this model")
+        parts = [f"**{model}** (perplexity vs BF16 {fmt(bf16)}, bits/element at {n_tok} tokens): {head}"]
+        for other in ("oscar-token", "oscar-ref", "kivi2", "kivi2-g64", "oscar-s32w64", "hadamard-int2", "naive-int2", "hf-hqq-int2", "naive-int4"):
             if other in res:
                 parts.append(f"{other} {rel(other)} at {bits(other)}")
         line = "; ".join(parts) + "."
@@ -388,7 +407,7 @@ def closing_note(all_ppl: dict, all_niah: dict, ablations: dict | None) -> list[
             line += (f" Against KIVI-2 at matched (or fewer) bits: OSCAR s32/w64 ({bits('oscar-s32w64')} bits) is "
                      f"{'better' if better else 'worse'} than the best KIVI-2 row `{best_kivi}` ({bits(best_kivi)} bits)"
                      f"{'' if fewer else ' although it stores more bits'}.")
-        if "oscar-ref" in res:
+        if "oscar-ref" in res and "oscar" in res:
             line += (f" Against the reference recipe at equal bits: OSCAR is "
                      f"{'better' if res['oscar']['perplexity'] < res['oscar-ref']['perplexity'] else 'worse'}.")
         niah = all_niah.get(model)
@@ -407,7 +426,7 @@ def paper_comparison(ablations: dict | None, all_ppl: dict) -> list[str]:
         a = ablations["results"]
         model = ablations["meta"]["model"]["name"]
         p = {k: v["perplexity"] for k, v in a.items()}
-        base = p.get("oscar")
+        base = p.get("oscar-token")  # the paper's ablations vary OSCAR in the paper's layout
 
         def pct(name):
             return f"{100 * (p[name] / base - 1):+.1f}%"

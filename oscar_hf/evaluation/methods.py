@@ -195,7 +195,8 @@ def ablation_methods(windows: Windows = Windows()) -> dict[str, Method]:
     base = paper_layout(windows)
     fitted = dict(key_clip="fitted", value_clip="fitted")
     rows: list[tuple[str, str, OscarConfig, str]] = [
-        ("oscar", "OSCAR (U·H·P, per head, attention V target, fitted clips)", base, "calibrated"),
+        ("oscar-token", "OSCAR in the paper's layout (U·H·P, per head, attention V target, fitted clips)", base,
+         "calibrated"),
         ("no-U", "w/o U: H·P (data-free) + fitted clips", base.replace(key_target="hadamard", value_target="hadamard"), "calibrated"),
         ("no-H", "w/o H: U·P", base.replace(use_hadamard=False), "calibrated"),
         ("no-P", "w/o P: U·H (group = head_dim: P cannot matter)", base.replace(use_permutation=False), "calibrated"),
