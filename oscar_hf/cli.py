@@ -314,7 +314,8 @@ def cmd_demo(args) -> int:
     for name, factory in (
         ("BF16 DynamicCache", None),
         ("OSCAR INT2", lambda: OscarCache(model, rotations)),
-        ("naive INT2 (no rotation, no clip)", lambda: OscarCache(model, naive, OscarConfig(key_clip="none", value_clip="none"))),
+        ("naive INT2 (token-wise, no rotation)", lambda: OscarCache(model, naive, OscarConfig(
+            key_clip="none", value_clip="none", key_granularity="token", demotion_block=8))),
     ):
         results[name] = perplexity(model, seqs, factory)["perplexity"]
         print(f"  {name:36s} {results[name]:8.2f}")
