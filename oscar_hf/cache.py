@@ -234,6 +234,35 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         mean, the keys are centered (k − μ) first, the only place where centering happens; the returned keys are
         centered too (same attention, by softmax invariance).
         """
+        if fused and self._view is not None:
+            # Either the last forward pass failed between update and attention, or the model calls update without
+            # the attention function (unsupported model code). Say so; the stale view is dropped.
+            warnings.warn("OscarLayer: the previous update's view was never used by an attention call (an interrupted "
+                          "forward pass, or model code that calls cache.update outside its attention); dropped",
+                          RuntimeWarning, stacklevel=3)
+            self.take_view()
+        key_states, past_length = self._store(key_states, value_states)
+        if fused:
+            self._view = self._make_view(past_length, key_states, value_states)
+            if attention_kwargs is not None:
+                attention_kwargs[VIEW_KWARG] = self
+            else:
+                _pending.entry = (layer_idx, self)
+            return key_states, value_states
+        # Plain attention: the stored past, dequantized and un-rotated, then the exact new states.
+        past_keys, past_values = self.dequantized_past(self._segments(past_length))
+        rt_k, rt_v = self.key_rotation.transpose(-1, -2), self.value_rotation.transpose(-1, -2)
+        keys = torch.cat([rotate(past_keys, rt_k), key_states], dim=2)
+        values = torch.cat([rotate(past_values, rt_v), value_states], dim=2)
+        return keys, values
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Stores states `[B, H, n, d]` exactly as `update` would, for callers that run no attention afterwards
+        (filling a cache from another cache's prefill): nothing is dequantized or handed over."""
+        self._store(key_states, value_states)
+
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Centers, checks and appends new states; returns the (centered) keys and the length before them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.key_mean is not None:
@@ -254,33 +283,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
                 self.record_past = False
                 self._demote_overflow()
             self._uncropped = self.record_past
-        if fused and self._view is not None:
-            # Either the last forward pass failed between update and attention, or the model calls update without
-            # the attention function (unsupported model code). Say so; the stale view is dropped.
-            warnings.warn("OscarLayer: the previous update's view was never used by an attention call (an interrupted "
-                          "forward pass, or model code that calls cache.update outside its attention); dropped",
-                          RuntimeWarning, stacklevel=3)
-            self.take_view()
         past_length = self.get_seq_length()
         self._append(key_states, value_states)
-        if fused:
-            self._view = self._make_view(past_length, key_states, value_states)
-            if attention_kwargs is not None:
-                attention_kwargs[VIEW_KWARG] = self
-            else:
-                _pending.entry = (layer_idx, self)
-            return key_states, value_states
-        # Plain attention: the stored past, dequantized and un-rotated, then the exact new states.
-        past_keys, past_values = self.dequantized_past(self._segments(past_length))
-        rt_k, rt_v = self.key_rotation.transpose(-1, -2), self.value_rotation.transpose(-1, -2)
-        keys = torch.cat([rotate(past_keys, rt_k), key_states], dim=2)
-        values = torch.cat([rotate(past_values, rt_v), value_states], dim=2)
-        return keys, values
-
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Stores states `[B, H, n, d]` exactly as `update` would, for callers that run no attention afterwards
-        (filling a cache from another cache's prefill)."""
-        self.update(key_states, value_states, fused=False)
+        return key_states, past_length
 
     def take_view(self) -> LayerView:
         """The view left by the last fused update (consumed once); it also leaves the pending-layer table."""
