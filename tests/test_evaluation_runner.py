@@ -31,6 +31,13 @@ def test_eval_stages_and_results_page(tmp_path):
     assert ppl["results"]["naive-int2"]["bits"]["bits_per_element"] < ppl["results"]["bf16"]["bits"]["bits_per_element"]
     niah = json.loads((out / "tiny" / "niah.json").read_text())
     assert {r["method"] for r in niah["results"]} == set(methods.split(","))
+    # a run at another length adds its cells and keeps the earlier ones, with their provenance
+    assert main(["eval", "niah", *common, "--methods", "bf16,oscar", "--lengths", "400", "--depths", "0.5",
+                 "--max-new-tokens", "3"]) == 0
+    merged = json.loads((out / "tiny" / "niah.json").read_text())
+    cells = {(r["method"], r["length"]) for r in merged["results"]}
+    assert cells == {(m, 500) for m in methods.split(",")} | {("bf16", 400), ("oscar", 400)}
+    assert merged["meta"]["data"]["lengths"] == [400, 500] and "bf16@500" in merged["meta"]["carried_over"]["cells"]
     page = tmp_path / "page"
     subprocess.run([sys.executable, str(REPO / "eval" / "make_results.py"), "--results", str(out), "--output", str(page)],
                    check=True, cwd=REPO)

@@ -218,7 +218,29 @@ class Session:
                     "calibration": self.calibration_meta(rotations),
                     "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
                                 "with cache.update; question fed through the cache; greedy answer"})
-                path = self.write(stage, meta, records)
+                path = self.write_records(stage, meta, records, {(m, n) for m in methods for n in lengths})
+        return path
+
+    def write_records(self, stage: str, meta: dict, records: list[dict], measured: set[tuple[str, int]]) -> Path:
+        """Writes per-trial records; records of an earlier file for (method, length) cells this run does not measure
+        are kept, with the provenance of the run that measured them (a 16K run adds to the 4K/8K cells)."""
+        path = self.output / f"{stage}{self.suffix}.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            kept, old_methods = _carried_over_records(old, measured)
+            if kept:
+                records = kept + records
+                meta["methods"] = {**{r["method"]: old_methods[r["method"]] for r in kept if r["method"] in old_methods},
+                                   **meta["methods"]}
+                meta["carried_over"] = {"cells": sorted({f"{r['method']}@{r['length']}" for r in kept}),
+                                        "date": old["meta"].get("date"), "command": old["meta"].get("command"),
+                                        "versions": old["meta"].get("versions"),
+                                        "earlier": old["meta"].get("carried_over")}
+                data = meta.get("data", {})
+                if "lengths" in data:
+                    data["lengths"] = sorted({r["length"] for r in records})
+        path.write_text(json.dumps({"meta": meta, "results": records}, indent=1, default=_jsonable))
+        print(f"wrote {path}", flush=True)
         return path
 
     def centering(self, methods: dict[str, Method], **ppl) -> Path:
@@ -267,6 +289,23 @@ def _carried_over(old: dict, measured: set[str]) -> dict:
     return {"results": {n: results[n] for n in keep}, "methods": {n: methods[n] for n in keep if n in methods},
             "provenance": {n: {"date": meta.get("date"), "command": meta.get("command"),
                                "versions": meta.get("versions")} for n in keep}}
+
+
+def _carried_over_records(old: dict, measured: set[tuple[str, int]]) -> tuple[list[dict], dict]:
+    """The per-trial records of an earlier file whose (method, length) cell a new run does not measure; files from
+    before the channel-wise layout name the paper's layout `oscar` (renamed `oscar-token`, as in `_carried_over`)."""
+    methods = dict(old["meta"].get("methods", {}))
+    legacy = "key_granularity" not in methods.get("oscar", {}).get("oscar_config", {"key_granularity": None})
+    kept = []
+    for record in old["results"]:
+        record = dict(record)
+        if legacy and record["method"] == "oscar":
+            record["method"] = "oscar-token"
+        if (record["method"], record["length"]) not in measured:
+            kept.append(record)
+    if legacy and "oscar" in methods:
+        methods["oscar-token"] = methods.pop("oscar")
+    return kept, methods
 
 
 def _slug(text: str) -> str:
