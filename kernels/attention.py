@@ -210,9 +210,9 @@ def _segment_attention_kernel(
     heads, M, T, q_start,
     n_sink, n_hist, n_recent, n_extra,
     hist_splits, hist_chunk, extra_chunk,
-    scale,
+    scale, len_ptr, ring_size,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -220,6 +220,16 @@ def _segment_attention_kernel(
     b = pid_bh // heads
     h = pid_bh % heads
     QD: tl.constexpr = D // 4
+    if DEVICE_LENGTHS:
+        # A static cache's decode step: lengths on the device (a CUDA graph replays this launch unchanged); the
+        # recent window is a ring whose position n_sink + n_hist sits at slot ring_lo.
+        n_sink = tl.load(len_ptr + 0)
+        n_hist = tl.load(len_ptr + 1)
+        n_recent = tl.load(len_ptr + 2)
+        ring_lo = tl.load(len_ptr + 3)
+        q_start = tl.load(len_ptr + 4)
+    else:
+        ring_lo = 0
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     qpos = q_start + rows % T
@@ -264,12 +274,20 @@ def _segment_attention_kernel(
             meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
             b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST)
     elif split == recent_split:
-        offset = n_sink + n_hist
-        hi = tl.minimum(n_recent, max_qpos + 1 - offset)
+        # slots [ring_lo, ring_lo + n_recent) modulo ring_size: at most two contiguous pieces (one without a ring)
+        offset = n_sink + n_hist - ring_lo
+        hi = tl.minimum(tl.minimum(ring_lo + n_recent, ring_size), max_qpos + 1 - offset)
         m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
             q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-            rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, 0, hi, offset,
+            rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, ring_lo, hi, offset,
             mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
+        if DEVICE_LENGTHS:
+            offset = offset + ring_size
+            hi = tl.minimum(ring_lo + n_recent - ring_size, max_qpos + 1 - offset)
+            m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
+                q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, 0, hi, offset,
+                mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
     else:
         offset = n_sink + n_hist + n_recent
         lo = (split - recent_split - 1) * extra_chunk
@@ -343,6 +361,28 @@ def segment_attention_triton(
     target_programs: int | None = None,
 ):
     """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
+    return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
+                   extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
+                   queries_per_group, scale, key_block, block_n, num_warps, num_stages, target_programs)
+
+
+def decode_attention_triton(
+    q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
+    queries_per_group, scale, key_block: int = 0, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, target_programs: int | None = None,
+):
+    """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
+    device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
+    once), so the launch is the same every step. Returns `out [B, H, M, d]` q.dtype."""
+    out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
+                     sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_block,
+                     block_n, num_warps, num_stages, target_programs)
+    return out
+
+
+def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
+            extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_block, block_n, num_warps,
+            num_stages, target_programs):
     b, h, m, d = q.shape
     problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3], key_block)
     if problem:
@@ -356,7 +396,13 @@ def segment_attention_triton(
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
     target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
-    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, n_hist, n_extra, block_n, target)
+    if device_lengths is None:
+        n_sink, n_hist, n_recent, n_extra, query_start = host_lengths
+        plan_hist, ring_size = n_hist, recent_k.shape[2]
+    else:  # planned for the whole capacity: the same grid every step
+        n_sink = n_hist = n_recent = n_extra = query_start = 0
+        plan_hist, ring_size = hist_codes_k.shape[2], recent_k.shape[2]
+    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target)
     n_splits = 1 + hist_splits + 1 + extra_splits
     partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
     partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
@@ -380,9 +426,9 @@ def segment_attention_triton(
         h, m, queries_per_group, query_start,
         n_sink, n_hist, n_recent, n_extra,
         hist_splits, hist_chunk, extra_chunk,
-        scale * LOG2E,
+        scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
         D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        DEVICE_LENGTHS=device_lengths is not None, num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)

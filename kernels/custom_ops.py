@@ -4,8 +4,10 @@
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
 - `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
   merged by log-sum-exp. Returns `(out, lse)`.
+- `oscar::decode_attention(q, ..., lengths, ...)`: the same kernel over a static cache's fixed buffers, lengths read
+  on the device, fixed grid: what a CUDA graph of the decode step replays. Returns `out`.
 Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference` and
-`oscar_hf.ops.segment_attention_reference`; `oscar_hf.ops` picks between them.
+`oscar_hf.ops.segment_attention_reference` and `oscar_hf.ops.decode_attention_reference`; `oscar_hf.ops` picks.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from .attention import segment_attention_triton
+from .attention import decode_attention_triton, segment_attention_triton
 from .quantize import quantize_pack_triton
 
-__all__ = ["quantize_pack", "segment_attention"]
+__all__ = ["decode_attention", "quantize_pack", "segment_attention"]
 
 
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
@@ -54,3 +56,22 @@ def segment_attention(
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
       key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("oscar::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor,
+    hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
+    ring_k: torch.Tensor, ring_v: torch.Tensor,
+    key_mask: Optional[torch.Tensor], lengths: torch.Tensor,
+    queries_per_group: int, scale: float, key_block: int,
+) -> torch.Tensor:
+    return decode_attention_triton(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k,
+                                   ring_v, key_mask, lengths, queries_per_group, scale, key_block)
+
+
+@decode_attention.register_fake
+def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
+      queries_per_group, scale, key_block):
+    return torch.empty_like(q)

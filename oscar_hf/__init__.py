@@ -12,11 +12,12 @@ from .cache import OscarCache, OscarLayer
 from .config import OscarConfig
 from .models import UnsupportedModelError
 from .rotations_io import OscarRotations, RotationFileError, weight_fingerprint
+from .static_cache import StaticOscarCache
 
 _register_attention()
 
 __version__ = "0.1.0"
 __all__ = [
-    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "UnsupportedModelError", "assets",
+    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "StaticOscarCache", "UnsupportedModelError", "assets",
     "weight_fingerprint",
 ]

@@ -20,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from . import ops
 from .cache import ATTENTION_NAME, LayerView, claim_layer, rotate
 from .quant import QuantizedBlocks, QuantizedRows, dequantize
+from .static_cache import DecodeView
 
 QUERY_BLOCK = 4096  # query tokens per kernel call for long chunks
 
@@ -43,6 +44,8 @@ def oscar_segment_attention(
 ) -> torch.Tensor:
     """Attention of (un-rotated) `query` `[B, Hq, T, d]` over one layer's cache; returns `[B, T, Hq, d]`."""
     if view.past_length == 0:
+        if attention_mask is not None and attention_mask.shape[-1] > query.shape[2]:
+            attention_mask = attention_mask[..., : query.shape[2]]  # a static cache's mask spans max_cache_len keys
         out, _ = sdpa_attention_forward(
             module, query, view.original_keys, view.original_values, attention_mask, scaling=scale, **kwargs
         )
@@ -105,14 +108,35 @@ def oscar_attention_forward(
     if kwargs.get("sliding_window") is not None:
         raise ValueError("an OSCAR layer received a sliding-window attention call; this layer should not be OSCAR")
     view = layer.take_view()
-    if query.shape[2] != view.chunk_length or query.shape[0] != view.sink_keys.shape[0]:
+    if query.shape[2] != view.chunk_length or query.shape[0] != view.batch:
         raise RuntimeError(
             f"the 'oscar' attention of layer {getattr(module, 'layer_idx', '?')} got {query.shape[0]}×{query.shape[2]} "
-            f"query tokens but its cache update stored {view.sink_keys.shape[0]}×{view.chunk_length}: the cache and the "
+            f"query tokens but its cache update stored {view.batch}×{view.chunk_length}: the cache and the "
             "attention call do not belong together"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(view, DecodeView):
+        return oscar_decode_attention(view.layer, query, attention_mask, scale), None
     return oscar_segment_attention(module, view, query, attention_mask, scale, dropout=dropout), None
+
+
+def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A decode step on a static layer (`static_cache.py`): one op over its fixed buffers with the lengths on the
+    device, capturable in a CUDA graph. `query` `[B, Hq, T, d]` -> `[B, T, Hq, d]`."""
+    b, hq, t, d = query.shape
+    heads = layer.key_rotation.shape[0]
+    groups = hq // heads
+    q_rot = rotate(query.reshape(b, heads, groups, t, d), layer.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
+    s, r = layer.config.sink_tokens, layer.plan.ring
+    keys, values = layer.history_keys, layer.history_values
+    out = ops.decode_attention(
+        q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
+        values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
+        key_padding_mask(attention_mask), layer.plan.lengths, t, scale, keys.block if keys.channelwise else 0,
+        kernel=layer.kernel,
+    )
+    vt = layer.value_rotation.transpose(-1, -2).unsqueeze(1)
+    return rotate(out.reshape(b, heads, groups, t, d), vt).reshape(b, hq, t, d).transpose(1, 2).contiguous()
 
 
 def register() -> None:

@@ -78,6 +78,10 @@ class LayerView:
     original_values: torch.Tensor | None = None
 
     @property
+    def batch(self) -> int:
+        return self.sink_keys.shape[0]
+
+    @property
     def history_length(self) -> int:
         h = self.history_keys
         return (h if isinstance(h, torch.Tensor) else h.codes).shape[2]
@@ -107,11 +111,23 @@ def claim_layer(module, kwargs: dict, query: torch.Tensor | None = None) -> "Osc
     _pending.entry = None
     layer = entry[1]
     view = layer._view
-    if view is None or (query is not None and (query.shape[0], query.shape[2]) != (view.sink_keys.shape[0], view.chunk_length)):
+    if view is None or (query is not None and (query.shape[0], query.shape[2]) != (view.batch, view.chunk_length)):
         warnings.warn("oscar_hf: dropped a cache view left by an interrupted forward pass", RuntimeWarning, stacklevel=3)
         layer._view = None
         return None
     return layer
+def check_finite(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Refuses NaN/Inf states: on every multi-token pass, and on every step on the CPU (on a GPU a per-token check
+    would cost a synchronisation, and a compiled step cannot branch on it)."""
+    if key_states.shape[2] == 1 and (key_states.device.type != "cpu" or torch.compiler.is_compiling()):
+        return
+    if not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
+        raise ValueError(
+            "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
+            "(with float16, overflow is a common cause; try bfloat16)"
+        )
+
+
 class BatchOpsMixin:
     """Beam reordering and batch selection for a cache layer whose state is several tensors, through `_map_batch`
     (transformers' own layers reorder only `keys`/`values`; a quantized layer must move every segment)."""
@@ -193,8 +209,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         return f"OscarLayer(sink={self.n_sink}, history={self.history_keys.length}, recent={self.n_recent})"
 
     # ------------------------------------------------------------------ CacheLayerMixin contract
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, d = key_states.shape
+    def _place(self, key_states: torch.Tensor) -> None:
+        """Checks the states against the rotations and puts rotations and key mean on their device and dtype."""
+        _, heads, _, d = key_states.shape
         expected = tuple(self._key_rotation_master.shape)
         if (heads, d, d) != expected:
             raise ValueError(
@@ -206,6 +223,10 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         self.value_rotation = self._value_rotation_master.to(self.device, self.dtype)
         if self._key_mean_master is not None:
             self.key_mean = self._key_mean_master.to(self.device, torch.float32)[None, :, None, :]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._place(key_states)
+        batch, heads, _, d = key_states.shape
         cfg = self.config
         self.sink_keys = key_states.new_empty(batch, heads, cfg.sink_tokens, d)
         self.sink_values = value_states.new_empty(batch, heads, cfg.sink_tokens, d)
@@ -268,14 +289,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         if self.key_mean is not None:
             # Subtract in float32, then back to the model dtype (one rounding of the centered key).
             key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
-        # Checked on every prefill, and on every step on the CPU; on a GPU a per-token check would cost a sync.
-        if (key_states.shape[2] > 1 or key_states.device.type == "cpu") and not (
-            torch.isfinite(key_states).all() and torch.isfinite(value_states).all()
-        ):
-            raise ValueError(
-                "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
-                "(with float16, overflow is a common cause; try bfloat16)"
-            )
+        check_finite(key_states, value_states)
         if self.record_past:
             if self._uncropped:
                 # Two updates without a crop between them: assisted decoding (which crops after every verification
@@ -556,23 +570,24 @@ class OscarCache(Cache):
         self.oscar_config = config
         self.rotations = rotations
         self.geometry = geometry
+        super().__init__(layers=self._make_layers(geometry, rotations, config, max_cache_len))
+
+    @staticmethod
+    def _layer_arguments(i: int, rotations: OscarRotations, config: OscarConfig) -> tuple:
+        """Rotations, clips and config of OSCAR layer `i` (positional arguments of `OscarLayer`)."""
+        return (rotations.key_rotations[i], rotations.value_rotations[i],
+                config.clip_ratio("key", rotations.key_clip(i)), config.clip_ratio("value", rotations.value_clip(i)),
+                config)
+
+    def _make_layers(self, geometry, rotations: OscarRotations, config: OscarConfig, max_cache_len: int | None):
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
-                layers.append(
-                    OscarLayer(
-                        rotations.key_rotations[i],
-                        rotations.value_rotations[i],
-                        config.clip_ratio("key", rotations.key_clip(i)),
-                        config.clip_ratio("value", rotations.value_clip(i)),
-                        config,
-                        max_cache_len,
-                        key_mean=rotations.key_mean(i),
-                    )
-                )
+                layers.append(OscarLayer(*self._layer_arguments(i, rotations, config), max_cache_len,
+                                         key_mean=rotations.key_mean(i)))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
-        super().__init__(layers=layers)
+        return layers
 
     @property
     def fused_attention(self) -> bool:

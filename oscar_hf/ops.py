@@ -99,8 +99,10 @@ def quantize_pack_reference(
     meta[:, :, start : start + n] = q.meta
 
 
-def quantize_pack(x, rotation, clip_ratio, codes, meta, start, block=0) -> None:
-    if use_kernels(x):
+def quantize_pack(x, rotation, clip_ratio, codes, meta, start, block=0, kernel: bool | None = None) -> None:
+    """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
+    e.g. once outside a compiled region; None: decide here)."""
+    if use_kernels(x) if kernel is None else kernel:
         torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start), int(block))
     else:
         quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, block)
@@ -178,3 +180,71 @@ def segment_attention(
     if use_kernels(q, problem):
         return torch.ops.oscar.segment_attention(*args)
     return segment_attention_reference(*args)
+
+
+# ------------------------------------------------------------------------------------------ decode_attention
+def decode_attention_reference(
+    q: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor,
+    hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
+    ring_k: torch.Tensor, ring_v: torch.Tensor,
+    key_mask: torch.Tensor | None, lengths: torch.Tensor,
+    queries_per_group: int, scale: float, key_block: int = 0,
+) -> torch.Tensor:
+    """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
+    synchronisation, fixed shapes: what a CUDA graph can replay).
+
+    Args:
+        q: `[B, H, M, d]` rotated queries, row r = g·T + t (as in `segment_attention_reference`).
+        sink_k/v: `[B, H, S, d]`: positions [0, n_sink).
+        hist_codes_k/v, hist_meta_k/v: the whole history buffers (capacity C rows; keys channel-wise over
+            `key_block` tokens when > 0): rows [0, n_hist) hold positions S + j.
+        ring_k/v: `[B, H, R, d]`: the recent positions [S + n_hist, S + n_hist + n_recent), position S + n_hist + i at
+            slot (ring_lo + i) mod R.
+        key_mask: `[B, N]` bool over positions, or None.
+        lengths: int32 `[5]` on q's device: (n_sink, n_hist, n_recent, ring_lo, q_start); query row r is at position
+            q_start + (r mod T) and sees positions <= its own.
+    Returns:
+        `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
+    """
+    n_sink, n_hist, n_recent, ring_lo, q_start = lengths.long().unbind()
+    s, r, d = sink_k.shape[2], ring_k.shape[2], q.shape[-1]
+    device = q.device
+    if key_block:
+        hist_k = dequantize_channels(QuantizedBlocks(hist_codes_k, hist_meta_k, 2, key_block))
+    else:
+        hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3]))
+    hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3]))
+    slot = torch.arange(r, device=device)
+    ring_offset = (slot - ring_lo) % r  # recent token index held by each ring slot
+    sink_pos = torch.arange(s, device=device)
+    hist_pos = s + torch.arange(hist_k.shape[2], device=device)
+    positions = torch.cat([sink_pos, hist_pos, s + n_hist + ring_offset])
+    stored = torch.cat([sink_pos < n_sink, hist_pos - s < n_hist, ring_offset < n_recent])
+    keys = torch.cat([sink_k.float(), hist_k, ring_k.float()], 2)
+    values = torch.cat([sink_v.float(), hist_v, ring_v.float()], 2)
+    values = torch.where(stored[None, None, :, None], values, 0.0)  # unwritten slots may hold anything
+    m = q.shape[2]
+    qpos = q_start + torch.arange(m, device=device) % queries_per_group
+    visible = (stored[None, :] & (positions[None, :] <= qpos[:, None]))[None, None]  # [1, 1, M, N]
+    if key_mask is not None:
+        mask = key_mask.bool().gather(1, positions.clamp(max=key_mask.shape[1] - 1)[None].expand(key_mask.shape[0], -1))
+        visible = visible & mask[:, None, None, :]
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale
+    scores = torch.where(visible, scores, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))
+    total = probs.sum(-1, keepdim=True)
+    out = torch.matmul(probs, values) / torch.where(total > 0, total, 1.0)
+    return out.to(q.dtype)
+
+
+def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
+                     lengths, queries_per_group, scale, key_block=0, kernel: bool = False):
+    """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
+    selects the Triton kernel `oscar::decode_attention`."""
+    args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
+            int(queries_per_group), float(scale), int(key_block))
+    if kernel:
+        return torch.ops.oscar.decode_attention(*args)
+    return decode_attention_reference(*args)

@@ -51,6 +51,7 @@ class QuantizedHistory:
         self.head_dim = head_dim
         self.length = 0
         self.buffers: dict[str, torch.Tensor] = {}
+        self.kernel: bool | None = None  # the static cache decides once whether the Triton kernels run (None: per call)
 
     @property
     def channelwise(self) -> bool:
@@ -77,6 +78,51 @@ class QuantizedHistory:
         """Empty buffers with the batch, heads, dtype and device of `rows` `[B, H, n, d]`."""
         self.buffers = self._allocate(rows.shape[0], rows.shape[1], 0, rows.dtype, rows.device)
         self.length = 0
+
+    def allocate_static(self, rows: torch.Tensor, capacity: int) -> None:
+        """Zero-filled buffers for `capacity` rows (a whole number of blocks) with the batch, heads, dtype and device
+        of `rows`, never reallocated afterwards: the static cache's history, written at device-side indices
+        (`write_rows_at`, `write_blocks_at`) so that a captured decode step has fixed shapes and addresses."""
+        self.buffers = {name: buf.zero_() for name, buf in
+                        self._allocate(rows.shape[0], rows.shape[1], capacity, rows.dtype, rows.device).items()}
+        self.length = 0
+
+    def _quantized(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `[B, H, n, d]` (rotated) in this history's format, as new tensors named like the buffers."""
+        b, h, n, d = rows.shape
+        if self.bits == 16:
+            return {"dense": rows}
+        if self.bits == 2:  # through ops: the Triton kernel on CUDA
+            codes = rows.new_empty(b, h, n, d // 4, dtype=torch.uint8)
+            meta_shape = (b, h, n // self.block, d, 2) if self.channelwise else (b, h, n, d // self.group_size, 2)
+            meta = rows.new_empty(meta_shape, dtype=DTYPES[self.scale_dtype])
+            ops.quantize_pack(rows, None, 1.0 if self.channelwise else self.clip_ratio, codes, meta, 0,
+                              self.block if self.channelwise else 0, kernel=self.kernel)
+            return {"codes": codes, "meta": meta}
+        if self.channelwise:
+            q = quantize_channels(rows, self.bits, self.block, self.scale_dtype)
+        else:
+            q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
+        return {"codes": q.codes, "meta": q.meta}
+
+    def write_rows_at(self, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """Token-wise: quantizes rows `[B, H, n, d]` (rotated) into rows `index` (`[n]` int64, on the device) of the
+        buffers. No host synchronisation; `length` is left to the caller."""
+        if self.channelwise:
+            raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole blocks")
+        for name, t in self._quantized(rows).items():
+            self.buffers[name].index_copy_(2, index, t)
+
+    def write_blocks_at(self, rows: torch.Tensor, block_index: torch.Tensor) -> None:
+        """Channel-wise: quantizes `len(block_index)` whole blocks of rows `[B, H, nb·block, d]` (rotated) into blocks
+        `block_index` (`[nb]` int64, on the device). No host synchronisation."""
+        if not self.channelwise:
+            raise ValueError("write_blocks_at is for channel-wise histories")
+        offsets = torch.arange(self.block, device=block_index.device)
+        row_index = (block_index[:, None] * self.block + offsets[None, :]).reshape(-1)
+        q = self._quantized(rows)
+        self.buffers["codes"].index_copy_(2, row_index, q["codes"])
+        self.buffers["meta"].index_copy_(2, block_index, q["meta"])
 
     def _meta_rows(self, tokens: int) -> int:
         return tokens // self.block if self.channelwise else tokens

@@ -210,3 +210,41 @@ def test_fp16_states_through_the_kernel():
     err = (out.double() - ref)[valid].abs().max().item()
     lowp_err = (_lowp_reference(args) - ref)[valid].abs().max().item()
     assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+
+
+@pytest.mark.parametrize("layout", ["channel", "token"])
+def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
+    """`oscar::decode_attention` on the fixed buffers of a filled StaticOscarCache (ring wrapped, blocks completed
+    one step at a time, a left-padded row), lengths read on the device, against `decode_attention_reference`."""
+    from conftest import tiny_model
+    from oscar_hf import OscarConfig, OscarRotations, StaticOscarCache
+    from oscar_hf.ops import decode_attention_reference
+
+    model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=64, num_hidden_layers=1)
+    config = OscarConfig(sink_tokens=4, window_tokens=16, demotion_block=16, value_clip=0.95,
+                         **({"key_granularity": "token", "key_clip": 0.9} if layout == "token" else {}))
+    cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), config, max_cache_len=200)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(11)
+    cache.plan.advance(90)
+    layer.store(*(torch.randn(2, 2, 90, 64, generator=g).to(torch.bfloat16) for _ in range(2)))
+    for _ in range(70):  # key blocks complete on the way; the recent window ends up wrapped around the ring
+        cache.plan.advance(1)
+        layer._store_token(*(torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2)))
+    q = torch.randn(2, 2, 4, 64, generator=g).to(torch.bfloat16)
+    mask = torch.ones(2, 200, dtype=torch.bool)
+    mask[1, :9] = False
+    hk, hv = layer.history_keys.buffers, layer.history_values.buffers
+    args = (q, layer.sink_keys[:, :, :4], layer.sink_values[:, :, :4], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
+            layer.ring_keys[:, :, :48], layer.ring_values[:, :, :48], mask, cache.plan.lengths, 1, 0.125,
+            16 if layout == "channel" else 0)
+    # n_sink, n_hist, n_recent, ring_lo, q_start: slots 32..47 then 0..11 of the ring of 48
+    assert cache.plan.lengths.tolist() == [4, 128, 28, 32, 159]
+    ref = decode_attention_reference(*args).double()
+    out = torch.ops.oscar.decode_attention(*args)
+    lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                        for a in args)).double()
+    err, lowp_err = (out.double() - ref).abs().max().item(), (lowp - ref).abs().max().item()
+    assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, args, test_utils=("test_schema", "test_faketensor"))

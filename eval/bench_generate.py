@@ -1,0 +1,383 @@
+"""Decode speed through `model.generate`, what users run: OSCAR (dynamic, static eager, static compiled) against
+BF16 `DynamicCache` (eager), BF16 `StaticCache` (auto-compiled by generate, = `cache_implementation="static"`) and
+transformers' `QuantizedCache` (HQQ, 2 bits), interleaved in one run.
+
+    python eval/bench_generate.py --out DIR [--sections check,speed] [--archs qwen3-8b] [--points 4096x1,32768x8]
+
+Protocol, per (architecture, prompt length L, batch B): each method's cache is filled with L random tokens per
+sequence (speed does not depend on the values; a 100K prefill per call would cost minutes), then
+`model.generate(ids of length L + 1, past_key_values=cache, max_new_tokens=n, greedy)` is timed for n = N + 1 and
+n = 1 (the cache refilled before each call, static caches reused as generate reuses its own); decode tokens/s =
+B·N / (t(N+1) − t(1)). Methods are interleaved within a round; one warm-up round (compilation, CUDA graphs), then
+the best of `--rounds`. GPU time per token: the summed CUDA kernel time of the two calls under the profiler,
+differenced the same way. Roofline per step: (weights + KV bytes a step must read) / measured copy bandwidth.
+
+Sections: `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
+wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync  # noqa: E402
+
+METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static")
+COMPILED = {"bf16-static", "oscar-static"}
+DEADLINE = float("inf")
+
+
+# ------------------------------------------------------------------------------------------------ caches
+def oscar_rotations(model):
+    from oscar_hf import OscarRotations
+
+    return OscarRotations.data_free(model, "hadamard")
+
+
+def oscar_config():
+    from oscar_hf import OscarConfig
+
+    return OscarConfig(value_clip=0.92)  # the default layout; a fixed clip stands in for a fitted one
+
+
+def random_kv(model, batch, n, device):
+    cfg = model.config
+    k = torch.randn(batch, cfg.num_key_value_heads, n, cfg.head_dim, device=device, dtype=torch.bfloat16)
+    return k, torch.randn_like(k)
+
+
+def fill(cache, model, batch, length, device, chunk=16384):
+    """Stores `length` random tokens per sequence in every layer, as a prefill would (not timed)."""
+    from transformers import StaticCache
+
+    from oscar_hf import StaticOscarCache
+
+    layers = model.config.num_hidden_layers
+    k, v = random_kv(model, batch, min(chunk, length), device)
+    if isinstance(cache, StaticOscarCache):
+        cache.reset()
+        done = 0
+        while done < length:
+            n = min(chunk, length - done)
+            cache.plan.advance(n)
+            for i in range(layers):
+                cache.layers[i].store(k[:, :, :n], v[:, :, :n])
+            done += n
+    elif isinstance(cache, StaticCache):
+        cache.reset()
+        for i in range(layers):
+            done = 0
+            while done < length:
+                n = min(chunk, length - done)
+                cache.update(k[:, :, :n], v[:, :, :n], i)
+                done += n
+    else:
+        for i in range(layers):
+            if hasattr(cache.layers[i], "store"):
+                done = 0
+                while done < length:
+                    n = min(chunk, length - done)
+                    cache.layers[i].store(k[:, :, :n], v[:, :, :n])
+                    done += n
+            else:  # BF16 DynamicCache; QuantizedCache re-quantizes its history when the residual fills: one chunk
+                kk, vv = random_kv(model, batch, length, device)
+                cache.update(kk, vv, i)
+                del kk, vv
+    sync()
+    return cache
+
+
+def make_cache(method, model, batch, max_len):
+    from transformers import DynamicCache, QuantizedCache, StaticCache
+
+    from oscar_hf import OscarCache, StaticOscarCache
+
+    if method == "bf16-eager":
+        return DynamicCache(config=model.config)
+    if method == "bf16-static":
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    if method == "hf-quantized":
+        return QuantizedCache(backend="hqq", config=model.config, nbits=2, axis_key=1, axis_value=1, q_group_size=64,
+                              residual_length=128)
+    if method == "oscar-eager":
+        return OscarCache(model, oscar_rotations(model), oscar_config())
+    if method in ("oscar-static", "oscar-static-eager"):
+        return StaticOscarCache(model, oscar_rotations(model), oscar_config(), max_cache_len=max_len)
+    raise ValueError(method)
+
+
+def kv_bytes(method, model, batch, length) -> float:
+    """Bytes of KV a decode step reads at `length` tokens (layout accounting)."""
+    bf16 = kv_bytes_bf16(model.config, batch, length)
+    if method.startswith("oscar"):
+        return bf16 * 2.5 / 16  # history 2.375 bits + BF16 sink/window, rounded up
+    if method == "hf-quantized":
+        return bf16 * 3.0 / 16  # dequantized every step: at least its 2-bit codes and group metadata are read
+    return bf16
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def generate_once(model, cache, batch, length, new_tokens, compiled, device, profile=False):
+    ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache,
+                  attention_mask=torch.ones_like(ids), disable_compile=not compiled, pad_token_id=0)
+    sync()
+    if profile:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            with torch.no_grad():
+                model.generate(ids, **kwargs)
+            sync()
+        return sum(e.time_range.elapsed_us() for e in p.events() if e.device_type == DeviceType.CUDA) / 1e6
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs)
+    sync()
+    assert out.shape[1] == length + 1 + new_tokens, out.shape
+    return time.perf_counter() - t
+
+
+def measure_point(model, arch, length, batch, methods, new_tokens, rounds, device, copy_bw):
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    caches = {}
+    skipped = {}
+    budget = torch.cuda.get_device_properties(device).total_memory - weights - 10 * GIB if device.type == "cuda" else 8 * GIB
+    for m in methods:
+        need = kv_bytes(m, model, batch, length + new_tokens + 8) * (2 if m == "hf-quantized" else 1)
+        if need > budget - sum(kv_bytes(x, model, batch, length) for x in caches):
+            skipped[m] = f"needs {need / GIB:.0f} GiB of KV beside the others, {budget / GIB:.0f} GiB free"
+            continue
+        try:
+            caches[m] = make_cache(m, model, batch, length + new_tokens + 8)
+        except Exception as e:  # a backend missing on this machine (hqq)
+            skipped[m] = f"{type(e).__name__}: {str(e)[:200]}"
+    fresh = {"bf16-eager", "hf-quantized", "oscar-eager"}  # dynamic caches: a new one per call
+    times = {m: {"long": [], "short": []} for m in caches}
+    for r in range(rounds + 1):  # round 0: warm-up
+        for m in list(caches):
+            if time.time() > DEADLINE:
+                skipped.setdefault(m, "not run: the device-time budget of this call ran out")
+                continue
+            try:
+                for key, n in (("long", new_tokens + 1), ("short", 1)):
+                    cache = make_cache(m, model, batch, length + new_tokens + 8) if m in fresh else caches[m]
+                    fill(cache, model, batch, length, device)
+                    dt = generate_once(model, cache, batch, length, n, m in COMPILED, device)
+                    if r > 0:
+                        times[m][key].append(dt)
+                    if m in fresh:
+                        del cache
+            except Exception as e:
+                skipped[m] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(traceback.format_exc()[-1500:])
+                caches.pop(m)
+                free()
+    row = dict(arch=arch, length=length, batch=batch, new_tokens=new_tokens, rounds=rounds, skipped=skipped)
+    step_bytes = {}
+    for m in caches:
+        if not times[m]["long"]:
+            continue
+        long_t, short_t = min(times[m]["long"]), min(times[m]["short"])
+        row[f"{m}_tokens_per_s"] = batch * new_tokens / (long_t - short_t)
+        row[f"{m}_ms_per_step"] = 1000 * (long_t - short_t) / new_tokens
+        step_bytes[m] = weights + kv_bytes(m, model, batch, length)
+        row[f"{m}_roofline_ms"] = 1000 * step_bytes[m] / copy_bw
+        if device.type == "cuda":
+            try:
+                gl = []
+                for n in (new_tokens + 1, 1):
+                    cache = make_cache(m, model, batch, length + new_tokens + 8) if m in fresh else caches[m]
+                    fill(cache, model, batch, length, device)
+                    gl.append(generate_once(model, cache, batch, length, n, m in COMPILED, device, profile=True))
+                row[f"{m}_gpu_ms_per_step"] = 1000 * (gl[0] - gl[1]) / new_tokens
+            except Exception as e:
+                row[f"{m}_gpu_ms_per_step"] = None
+                skipped[f"{m} (profile)"] = f"{type(e).__name__}: {str(e)[:200]}"
+    best_bf16 = max((row.get(f"{m}_tokens_per_s", 0) for m in ("bf16-eager", "bf16-static")), default=0)
+    if best_bf16 and row.get("oscar-static_tokens_per_s"):
+        row["oscar-static_vs_best_bf16"] = row["oscar-static_tokens_per_s"] / best_bf16
+    log(f"generate {arch} L={length} B={batch}: " + ", ".join(
+        f"{m} {row[f'{m}_tokens_per_s']:.1f} tok/s ({row[f'{m}_ms_per_step']:.1f} ms/step, GPU "
+        f"{row.get(f'{m}_gpu_ms_per_step') or float('nan'):.1f}, roofline {row[f'{m}_roofline_ms']:.1f})"
+        for m in caches if f"{m}_tokens_per_s" in row) + (f"  skipped {skipped}" if skipped else ""))
+    del caches
+    free()
+    return row
+
+
+def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
+    rows = []
+    for arch in archs:
+        model = build_model(arch, device)
+        for length, batch, only in points:
+            if time.time() > DEADLINE:
+                rows.append(dict(arch=arch, length=length, batch=batch, skipped={"all": "not run: out of device time"}))
+                continue
+            torch._dynamo.reset()  # compiled graphs and CUDA-graph pools of the previous point go
+            free()
+            rows.append(measure_point(model, arch, length, batch, [m for m in methods if not only or m in only],
+                                      new_tokens, rounds, device, copy_bw))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ check
+def section_check(device):
+    """The decode kernel against its twin on a static cache's buffers (ring wrapped, padding mask), and the same
+    greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled on a small real geometry."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import oscar_hf  # noqa: F401
+    from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache, ops
+
+    rows = []
+    torch.manual_seed(0)
+    # 1. kernel vs twin on the buffers of a filled static cache
+    for heads, groups, d, length in ((8, 4, 128, 5000), (4, 7, 64, 3001), (2, 8, 256, 777)):
+        cfg = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=heads * groups,
+                          num_key_value_heads=heads, head_dim=d, vocab_size=1000)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model.set_attn_implementation("oscar")
+        cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(value_clip=0.92),
+                                 max_cache_len=length + 64)
+        cache.plan.advance(length)
+        layer = cache.layers[0]
+        k, v = random_kv(model, 2, length, device)
+        layer.store(k, v)
+        for _ in range(37):  # single steps: the ring wraps, blocks complete
+            cache.plan.advance(1)
+            kk, vv = random_kv(model, 2, 1, device)
+            layer._store_token(kk, vv)
+        q = torch.randn(2, heads, groups, d, device=device, dtype=torch.bfloat16)
+        mask = torch.ones(2, length + 64, dtype=torch.bool, device=device)
+        mask[1, :100] = False  # left padding
+        s, r = layer.config.sink_tokens, layer.plan.ring
+        hk, hv = layer.history_keys.buffers, layer.history_values.buffers
+        args = (q, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
+                layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5, 64)
+        got = ops.decode_attention(*args, kernel=True).float()
+        ref = ops.decode_attention_reference(*args).float()
+        err = (got - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        ok = err <= 2e-2 * max(scale, 1.0)
+        rows.append(dict(check="decode_attention kernel vs twin", heads=heads, groups=groups, head_dim=d, length=length + 37,
+                         max_abs_err=err, ref_scale=scale, ok=ok))
+        log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37}: err {err:.2e} (scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
+    # 2. the same model through OscarCache, StaticOscarCache eager and StaticOscarCache compiled (a CUDA graph):
+    #    greedy generate, and teacher-forced decode steps (same input tokens, compare the logits' argmax)
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=128, vocab_size=2000)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.set_attn_implementation("oscar")
+    rot = OscarRotations.data_free(model, "hadamard")
+    ids = torch.randint(10, 2000, (2, 700), device=device)
+    makers = {"dynamic": lambda: OscarCache(model, rot, OscarConfig(value_clip=0.92)),
+              "static-eager": lambda: StaticOscarCache(model, rot, OscarConfig(value_clip=0.92), max_cache_len=900),
+              "static-compiled": lambda: StaticOscarCache(model, rot, OscarConfig(value_clip=0.92), max_cache_len=900)}
+    outs, steps = {}, {}
+    for name, make in makers.items():
+        with torch.no_grad():
+            outs[name] = model.generate(ids, past_key_values=make(), max_new_tokens=150, min_new_tokens=150,
+                                        do_sample=False, disable_compile=name != "static-compiled", pad_token_id=0)
+    forced = outs["dynamic"][:, 700:]
+    for name, make in makers.items():
+        cache = make()
+        call = model.__call__ if name != "static-compiled" else torch.compile(model.__call__, mode="reduce-overhead",
+                                                                               fullgraph=True)
+        with torch.no_grad():
+            logits = [model(ids, past_key_values=cache).logits[:, -1]]
+            for i in range(forced.shape[1] - 1):
+                pos = torch.full((2, 1), 700 + i, device=device)
+                logits.append(call(forced[:, i : i + 1], past_key_values=cache, position_ids=pos).logits[:, -1].clone())
+        steps[name] = torch.stack(logits, 1).float()
+    for name in ("static-eager", "static-compiled"):
+        same = (outs[name] == outs["dynamic"])[:, 700:]
+        first = [int((~row).nonzero()[0]) if (~row).any() else row.numel() for row in same]
+        agree = (steps[name].argmax(-1) == steps["dynamic"].argmax(-1)).float().mean().item()
+        rel = ((steps[name] - steps["dynamic"]).abs().max() / steps["dynamic"].abs().max()).item()
+        rows.append(dict(check=f"{name} vs dynamic OscarCache", generate_token_agreement=same.float().mean().item(),
+                         generate_first_divergence=first, teacher_forced_argmax_agreement=agree,
+                         teacher_forced_max_rel_logit_diff=rel, ok=agree >= 0.98 and rel < 0.05))
+        log(f"check {name} vs dynamic: generate tokens equal {same.float().mean().item():.3f} (first divergence at "
+            f"new token {first}), teacher-forced argmax {agree:.3f}, max logit diff {rel:.3f} of the logit range")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--sections", default="check,speed")
+    parser.add_argument("--archs", default="qwen3-8b")
+    parser.add_argument("--points", default="4096x1,32768x1,100000x1,32768x8,32768x16:bf16-eager:bf16-static,32768x32",
+                        help="LENGTHxBATCH[:method:method...] (methods: all when none named)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--deadline", type=float, default=None)
+    args = parser.parse_args(argv)
+    global DEADLINE
+    for name in ("recompile_limit", "cache_size_limit"):  # one compile per (method, shape): more than dynamo's default 8
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    # Each (cache type, shape) compiles its own static graph, as for a user who keeps one cache size; without this,
+    # the second shape would recompile with dynamic shapes (slower, and an Inductor + cudagraph bug in torch 2.11).
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    if args.deadline:
+        DEADLINE = time.time() + args.deadline
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_generate.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["environment"] = environment(device)
+    results.setdefault("copy_bandwidth", copy_bandwidth(device))
+    points = []
+    for p in args.points.split(","):
+        spec, *only = p.split(":")
+        length, batch = (int(x) for x in spec.split("x"))
+        points.append((length, batch, set(only)))
+    methods = args.methods.split(",")
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            if name == "check":
+                results["check"] = section_check(device)
+            elif name == "speed":
+                archs = args.archs.split(",")
+                new = section_speed(device, archs, points, methods, args.new_tokens, args.rounds, results["copy_bandwidth"])
+                # a point measured again keeps the methods this call did not run (an earlier call's, file given back)
+                old = {(r["arch"], r["length"], r["batch"]): r for r in results.get("speed", [])}
+                for r in new:
+                    key = (r["arch"], r["length"], r["batch"])
+                    if key in old:
+                        skipped = {**old[key].get("skipped", {}), **r.get("skipped", {})}
+                        skipped = {m: why for m, why in skipped.items() if f"{m}_tokens_per_s" not in r}
+                        r.update({k: v for k, v in old[key].items() if k not in r}, skipped=skipped)
+                    old[key] = r
+                results["speed"] = list(old.values())
+            else:
+                raise ValueError(f"unknown section {name!r}")
+        except Exception:
+            results.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            log(f"section {name} FAILED:\n{traceback.format_exc()[-3000:]}")
+        results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        path.write_text(json.dumps(results, indent=1, default=str))
+        log(f"-- section {name} done in {results['seconds'][name]} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

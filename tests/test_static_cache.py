@@ -1,0 +1,151 @@
+"""StaticOscarCache: the same storage and the same attention as OscarCache, in fixed buffers a compiled step can use.
+
+The reference is the dynamic `OscarCache` (itself checked against an independent oracle in test_oracle.py): both
+caches follow the same length formula, so on the same inputs they must store identical tensors and give the same
+logits (up to the order of float additions)."""
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
+from oscar_hf.static_cache import history_rows
+
+SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, value_clip=0.95)
+LAYOUTS = {"channel": OscarConfig(**SMALL), "token": OscarConfig(**SMALL, key_granularity="token", key_clip=0.9)}
+
+
+def _pair(family="llama", layout="channel", max_cache_len=200, **model_kw):
+    model = tiny_model(family, **model_kw)
+    rot = OscarRotations.data_free(model, "hadamard")
+    config = LAYOUTS[layout]
+    return model, OscarCache(model, rot, config), StaticOscarCache(model, rot, config, max_cache_len=max_cache_len)
+
+
+def _ids(batch, n, seed):
+    return torch.randint(4, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_same_storage(dyn, sta):
+    """Layer 0 sees the same inputs in both caches: identical storage. Deeper layers see the previous layers'
+    attention outputs, equal up to float rounding, which can move a value across a rounding boundary of the 2-bit
+    quantizer now and then: (almost) all elements identical."""
+    for i in dyn.geometry.oscar_layers:
+        kd, vd = dyn.layers[i].stored_states()
+        ks, vs = sta.layers[i].stored_states()
+        assert kd.shape == ks.shape and vd.shape == vs.shape
+        if i == 0:
+            assert torch.equal(kd, ks) and torch.equal(vd, vs)
+        for a, b in ((kd, ks), (vd, vs)):
+            assert ((a - b).abs() > 1e-3).float().mean() < 0.01, i
+
+
+@pytest.mark.parametrize("family,layout", [("llama", "channel"), ("llama", "token"), ("gemma3", "channel")])
+def test_prefill_decode_and_chunks_store_and_attend_like_the_dynamic_cache(family, layout):
+    model, dyn, sta = _pair(family, layout)
+    with torch.no_grad():
+        steps = [_ids(2, 37, 0)] + [_ids(2, 1, s) for s in range(1, 30)] + [_ids(2, 9, 99)] + [_ids(2, 1, s) for s in range(5)]
+        for ids in steps:  # 30 single steps: blocks complete and the ring wraps (R = 8 + 2·4 = 16)
+            a, b = model(ids, past_key_values=dyn).logits, model(ids, past_key_values=sta).logits
+            assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
+    assert int(sta.get_seq_length()) == dyn.get_seq_length() == 37 + 29 + 9 + 5
+    _assert_same_storage(dyn, sta)
+
+
+def test_generate_gives_the_dynamic_cache_tokens():
+    model, dyn, sta = _pair()
+    ids = _ids(2, 30, 1)
+    with torch.no_grad():
+        a = model.generate(ids, past_key_values=dyn, max_new_tokens=25, do_sample=False, pad_token_id=0)
+        b = model.generate(ids, past_key_values=sta, max_new_tokens=25, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+def test_left_padded_batch_matches_the_dynamic_cache():
+    model, dyn, sta = _pair()
+    ids = _ids(2, 30, 2)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        a = model.generate(ids, attention_mask=mask, past_key_values=dyn, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        b = model.generate(ids, attention_mask=mask, past_key_values=sta, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+def test_the_decode_step_traces_as_one_graph_without_recompiling(monkeypatch):
+    """Dynamo captures the whole decode step (fullgraph: no graph break anywhere in the cache or the attention) and
+    the lengths changing every step cause no recompilation (they live on the device)."""
+    model, dyn, sta = _pair(max_cache_len=120)
+    with torch.no_grad():
+        model(_ids(1, 30, 3), past_key_values=dyn)
+        model(_ids(1, 30, 3), past_key_values=sta)
+        step = torch.compile(lambda ids, pos: model(ids, past_key_values=sta, position_ids=pos).logits,
+                             backend="eager", fullgraph=True)
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        for i in range(14):  # crosses block boundaries and wraps the ring
+            ids, pos = _ids(1, 1, 10 + i), torch.tensor([[30 + i]])
+            a = model(ids, past_key_values=dyn, position_ids=pos).logits
+            b = step(ids, pos)
+            assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item()), i
+    torch._dynamo.reset()
+    _assert_same_storage(dyn, sta)
+
+
+def test_crop_rolls_back_exactly_within_the_ring_and_refuses_beyond():
+    model, _, sta = _pair()
+    _, _, ref = _pair()
+    with torch.no_grad():
+        model(_ids(1, 40, 4), past_key_values=sta)
+        model(_ids(1, 40, 4), past_key_values=ref)
+        for s in range(3):
+            model(_ids(1, 1, 20 + s), past_key_values=sta)
+        with pytest.raises(ValueError, match="BF16 ring"):
+            sta.crop(-(sta.plan.ring // 2))  # the removed tokens overwrote ring slots the shorter sequence needs
+        with pytest.raises(ValueError, match="negative"):
+            sta.crop(3)
+        sta.crop(-3)  # as assisted decoding does after rejected candidates
+        assert int(sta.get_seq_length()) == 40
+        for s in range(9):  # the same continuation: identical to a cache that never saw the cropped tokens
+            ids = _ids(1, 1, 50 + s)
+            a, b = model(ids, past_key_values=ref).logits, model(ids, past_key_values=sta).logits
+            assert torch.equal(a, b)
+    for i in ref.geometry.oscar_layers:
+        assert all(torch.equal(x, y) for x, y in zip(ref.layers[i].stored_states(), sta.layers[i].stored_states()))
+
+
+def test_beam_reorder_is_in_place():
+    model, _, sta = _pair()
+    with torch.no_grad():
+        model(_ids(3, 30, 5), past_key_values=sta)
+    layer = sta.layers[0]
+    before = [t.clone() for t in layer._buffers()]
+    pointers = [t.data_ptr() for t in layer._buffers()]
+    sta.reorder_cache(torch.tensor([2, 0, 0]))
+    after = layer._buffers()
+    assert [t.data_ptr() for t in after] == pointers
+    for b, a in zip(before, after):
+        assert torch.equal(a[0], b[2]) and torch.equal(a[1], b[0]) and torch.equal(a[2], b[0])
+
+
+def test_length_formula_matches_the_dynamic_layers_demotion():
+    model, dyn, sta = _pair()
+    with torch.no_grad():
+        for n in (3, 9, 1, 1, 1, 1, 17, 1, 1, 1, 1, 1):
+            model(_ids(1, n, n), past_key_values=dyn)
+            length = dyn.get_seq_length()
+            assert dyn.layers[0].history_keys.length == history_rows(length, 4, 8, 4), length
+
+
+def test_bad_use_is_refused_with_a_clear_message():
+    model = tiny_model("llama")
+    rot = OscarRotations.data_free(model, "hadamard")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        StaticOscarCache(model, rot, LAYOUTS["channel"])
+    with pytest.raises(ValueError, match="2-bit"):
+        StaticOscarCache(model, rot, OscarConfig(**{**SMALL, "bits": 4}), max_cache_len=64)
+    sdpa = tiny_model("llama", attn="sdpa")
+    with pytest.raises(ValueError, match="oscar"):
+        StaticOscarCache(sdpa, OscarRotations.data_free(sdpa, "hadamard"), LAYOUTS["channel"], max_cache_len=64)
+    cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 50 tokens"):
+        model(_ids(1, 60, 6), past_key_values=cache)
