@@ -171,6 +171,61 @@ def plots(res, out_dir: Path):
     return made
 
 
+GENERATE_METHODS = [  # (key in bench_generate.json, label)
+    ("bf16-eager", "BF16 `DynamicCache`, eager"),
+    ("bf16-static", "BF16 `StaticCache`, compiled (= `cache_implementation=\"static\"`)"),
+    ("hf-quantized", "`QuantizedCache` HQQ 2-bit, eager"),
+    ("oscar-eager", "`OscarCache`, eager"),
+    ("oscar-static-eager", "`StaticOscarCache`, eager"),
+    ("oscar-static", "`StaticOscarCache`, compiled"),
+]
+
+
+def generate_section(gen: dict, path: str) -> list[str]:
+    """The table users care about: decode tokens/s through `model.generate` (bench_generate.py's JSON)."""
+    env = gen["environment"]
+    rows = sorted(gen.get("speed", []), key=lambda r: (r["arch"], r["batch"], r["length"]))
+    present = [(k, label) for k, label in GENERATE_METHODS if any(f"{k}_tokens_per_s" in r for r in rows)]
+    md = ["## Decode speed through `model.generate` (what users run)", "",
+          f"From `{path}`, written by `python eval/bench_generate.py` (commands in its `environment` and in the logs "
+          f"beside it) on one {env.get('gpu', '?')}, torch {env['torch']}, transformers {env['transformers']}. "
+          "Random-weight Qwen3 geometry, bf16, greedy. Each cell: decode tokens/s = batch × N / (t(generate N+1 "
+          "tokens) − t(generate 1 token)), best of 2 rounds after a warm-up round, methods interleaved; below it the "
+          "wall ms per step / GPU ms per step (summed kernel time, profiler) / roofline ms per step (weights + the KV "
+          "bytes a step reads, at the measured copy bandwidth). Caches are filled with random tokens before each call "
+          "(a 100K-token prefill per call would cost minutes of device time); generate then runs its own one-token "
+          "prefill and decodes.", "",
+          "| model | context | batch | " + " | ".join(label for _, label in present) + " | compiled OSCAR vs best BF16 |",
+          "|---|---|---|" + "---|" * len(present) + "---|"]
+    for r in rows:
+        cells = []
+        for k, _ in present:
+            if f"{k}_tokens_per_s" in r:
+                cells.append(f"**{r[f'{k}_tokens_per_s']:.1f}**<br>{fmt(r.get(f'{k}_ms_per_step'))} / "
+                             f"{fmt(r.get(f'{k}_gpu_ms_per_step'))} / {fmt(r.get(f'{k}_roofline_ms'))}")
+            else:
+                why = r.get("skipped", {}).get(k)
+                cells.append("not run" + (f" ({why[:60]})" if why and "budget" not in why else ""))
+        best = max((r.get(f"{m}_tokens_per_s", 0) for m in ("bf16-eager", "bf16-static")), default=0)
+        ratio = r.get("oscar-static_tokens_per_s", 0) / best if best and r.get("oscar-static_tokens_per_s") else None
+        md.append(f"| {r['arch']} | {r['length']:,} | {r['batch']} | " + " | ".join(cells) + f" | {fmt(ratio, 2)}× |")
+    checks = gen.get("check", [])
+    if checks:
+        md += ["", "Correctness on the GPU (`--sections check`): "]
+        for c in checks:
+            if "max_abs_err" in c:
+                md.append(f"- decode kernel vs torch twin on a filled `StaticOscarCache` (H={c['heads']}, GQA {c['groups']}, "
+                          f"d={c['head_dim']}, {c['length']:,} tokens, ring wrapped, left padding): max error "
+                          f"{c['max_abs_err']:.1e} at output scale {c['ref_scale']:.2f} — {'ok' if c['ok'] else 'FAILED'}")
+            else:
+                md.append(f"- {c['check']}: teacher-forced argmax agreement {c['teacher_forced_argmax_agreement']:.3f}, max "
+                          f"logit difference {100 * c['teacher_forced_max_rel_logit_diff']:.1f}% of the logit range; greedy "
+                          f"generate: {100 * c['generate_token_agreement']:.0f}% of 150 new tokens equal (first divergence "
+                          f"at new token {c['generate_first_divergence']}: bf16 near-ties of a random model) — "
+                          f"{'ok' if c['ok'] else 'FAILED'}")
+    return md + [""]
+
+
 def runs_text(res) -> str:
     """The command(s) that wrote the results file: one device call, or several continuing the same file."""
     runs = res.get("runs") or [dict(command=res["environment"].get("command", "python eval/bench_gpu.py"))]
@@ -183,9 +238,13 @@ def runs_text(res) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", default=str(HERE / "results" / "gpu" / "bench_gpu.json"))
+    parser.add_argument("--generate", default=str(HERE / "results" / "gpu" / "bench_generate.json"),
+                        help="bench_generate.py's JSON (the generate section; skipped when absent)")
     parser.add_argument("--output", default=str(HERE / "GPU_RESULTS.md"))
     args = parser.parse_args(argv)
     res = json.loads(Path(args.results).read_text())
+    gen_path = Path(args.generate)
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     env = res["environment"]
     copy_bw = res["copy_bandwidth"]
     made = plots(res, HERE / "plots")
@@ -198,6 +257,11 @@ def main(argv=None):
         f"CUDA {env.get('cuda')}.",
         f"Measured device-to-device copy bandwidth (bytes read + written): **{copy_bw / GB:,.0f} GB/s**; it is the roofline below.",
         "Models and caches hold random numbers: speed does not depend on their values.",
+        "",
+        *(generate_section(gen, str(gen_path.relative_to(HERE.parent)) if gen_path.is_relative_to(HERE.parent) else str(gen_path))
+          if gen else []),
+        "The sections below are kernel-level (`eval/bench_gpu.py`), measured before the storage format became "
+        "channel-wise (`eval/results/gpu/bench_gpu_format3.json` holds the format-3 kernel checks and timings).",
         "",
         "## Targets",
         "",
