@@ -4,6 +4,9 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="oscar")
     cache = oscar_hf.OscarCache(model, oscar_hf.OscarRotations.from_pretrained(model))  # rotations beside the model
     model.generate(**inputs, cache=cache)
+
+`StaticOscarCache(model, rotations, max_cache_len=N)` stores the same in fixed buffers: generate compiles its decode
+step and replays it as a CUDA graph.
 """
 
 from . import assets
@@ -18,6 +21,6 @@ _register_attention()
 
 __version__ = "0.1.0"
 __all__ = [
-    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "StaticOscarCache", "UnsupportedModelError", "assets",
-    "weight_fingerprint",
+    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "StaticOscarCache",
+    "UnsupportedModelError", "assets", "weight_fingerprint",
 ]

@@ -519,7 +519,8 @@ class OscarCache(Cache):
         cache = OscarCache(model, OscarRotations.from_pretrained(name))
         model.generate(**inputs, past_key_values=cache)
 
-    Sliding-window layers (e.g. Gemma 3's local layers) keep transformers' bounded BF16 window.
+    Sliding-window layers (e.g. Gemma 3's local layers) keep transformers' bounded BF16 window. For a compiled,
+    CUDA-graph decode step use `StaticOscarCache` (`static_cache.py`): the same storage in fixed buffers.
 
     Key centering: when `rotations` carry key means (calibrated with `OscarConfig(center_keys=True)`), the OSCAR
     layers subtract them from the keys before storing them; `config.center_keys=True` with rotations that carry no

@@ -17,8 +17,9 @@ window holds W + b tokens):
 
 so a decode step is branch-free: the new token goes to its sink or ring slot (the other write goes to a scratch
 slot); its value (and a token-wise key) is quantized straight into its history row, which attention reads only once
-n_hist covers it; and the newest complete channel-wise key block is quantized from the ring every step, idempotently
-(same rows, same codes), which is when it would have been demoted. R = W + 2b keeps that block in the ring.
+n_hist covers it; and a channel-wise key block is quantized from the ring on the step that completes it (every other
+step writes the same computation to the scratch block). R = W + 2b leaves room for `crop` to roll back up to b + 1
+tokens exactly (assisted decoding).
 
 The lengths live on the device in one `DecodePlan` per cache, advanced once per forward pass by the first OSCAR
 layer (FlashInfer's plan once, run per layer); the attention reads them from there (`ops.decode_attention`).
@@ -205,9 +206,12 @@ class StaticOscarLayer(OscarLayer):
         if not self.history_keys.channelwise:
             self.history_keys.write_rows_at(rk, row)
             return
-        # the newest complete key block (k < 0: none yet, written to the scratch block)
-        k = torch.div(plan.length - s - w, b, rounding_mode="floor") - 1
-        target = torch.where(k >= 0, k, self.scratch_row // b).reshape(1)
+        # a key block completes when this token brings the window to W + b: quantize it then (it is still in the
+        # ring); every other step writes the same computation to the scratch block
+        excess = plan.length - s - w
+        k = torch.div(excess, b, rounding_mode="floor") - 1
+        due = (k >= 0) & (excess % b == 0)
+        target = torch.where(due, k, self.scratch_row // b).reshape(1)
         slots = (k.clamp(min=0) * b + self.block_offsets) % r
         self.history_keys.write_blocks_at(self.ring_keys.index_select(2, slots), target)
 
@@ -384,11 +388,10 @@ class StaticOscarCache(OscarCache):
         length = int(self.plan.length)
         keep = max(0, length + tokens_to_remove)
         c, ring = self.oscar_config, self.plan.ring
-        # the next step re-quantizes the newest complete key block from the ring (and attends to the recent window
-        # there): both must lie in positions the ring still holds, i.e. not overwritten by the removed tokens
-        s, b = c.sink_tokens, c.demotion_block
-        needed_from = s + max(0, (keep + 1 - s - c.window_tokens) // b - 1) * b
-        if keep > s and needed_from < length - ring:
+        # the recent window of the shorter sequence (attended to, and quantized into key blocks as they complete)
+        # must lie in ring slots the removed tokens did not overwrite: always so for up to demotion_block + 1 tokens
+        s = c.sink_tokens
+        if keep > s and s + history_rows(keep, s, c.window_tokens, c.demotion_block) < length - ring:
             raise ValueError(f"StaticOscarCache cannot crop {length} tokens back to {keep}: its BF16 ring holds the "
                              f"last {ring} tokens, which must cover the shorter sequence's recent window")
         self.plan.set_length(keep)

@@ -149,3 +149,52 @@ def test_bad_use_is_refused_with_a_clear_message():
     cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
     with torch.no_grad(), pytest.raises(ValueError, match="holds 50 tokens"):
         model(_ids(1, 60, 6), past_key_values=cache)
+
+
+def test_buffers_are_allocated_once_and_sized_by_the_layout():
+    """Nothing is reallocated while decoding (a captured graph needs fixed addresses), and the allocation is what the
+    layout says: sink + ring in BF16 (each with a scratch slot), the history for every position beyond the sink plus
+    a scratch block, channel-wise key metadata per block and token-wise value metadata per token."""
+    model, _, sta = _pair(max_cache_len=100)
+    with torch.no_grad():
+        model(_ids(1, 30, 7), past_key_values=sta)
+        layer = sta.layers[0]
+        pointers = [t.data_ptr() for t in layer._buffers()]
+        for s in range(20):
+            model(_ids(1, 1, 30 + s), past_key_values=sta)
+        model(_ids(1, 7, 77), past_key_values=sta)
+    assert [t.data_ptr() for t in layer._buffers()] == pointers
+    heads, d, s, w, b = 2, 16, 4, 8, 4
+    ring, rows = w + 2 * b, -(-(100 - s) // b) * b + b
+    expected = 2 * (s + 1 + ring + 1) * heads * d * layer.sink_keys.element_size()  # sink and ring, model dtype
+    expected += 2 * rows * heads * d // 4  # 2-bit codes, keys and values
+    expected += (rows // b) * heads * d * 2 * 2 + rows * heads * 1 * 2 * 2  # fp16 (scale, min): keys per block, values per token
+    assert layer.memory_bytes()["allocated"] == expected
+
+
+def _generate(model, ids, cache, **kw):
+    kw.setdefault("max_new_tokens", 20)
+    kw.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("mode", ["sampling", "beam_search", "continued", "prompt_lookup"])
+def test_generate_modes_match_the_dynamic_cache(mode):
+    model = tiny_model("llama")
+    rot = OscarRotations.data_free(model, "hadamard")
+    config = OscarConfig(**{**SMALL, "demotion_block": 8})  # a ring of 8 + 16 tokens: room for 4 rejected candidates
+    ids = torch.cat([_ids(1, 18, 8)] * 2, 1)  # repetition gives prompt lookup something to propose
+    outs = []
+    for make in (lambda: OscarCache(model, rot, config), lambda: StaticOscarCache(model, rot, config, max_cache_len=160)):
+        cache = make()
+        torch.manual_seed(0)
+        if mode == "sampling":
+            outs.append(_generate(model, ids, cache, do_sample=True, top_k=20))
+        elif mode == "beam_search":
+            outs.append(_generate(model, ids, cache, num_beams=3))
+        elif mode == "continued":
+            first = _generate(model, ids, cache)
+            outs.append(_generate(model, torch.cat([first, _ids(1, 9, 9)], 1), cache))
+        else:
+            outs.append(_generate(model, ids, cache, prompt_lookup_num_tokens=4))
+    assert torch.equal(outs[0], outs[1])
