@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .config import OscarConfig
-from .models import check_attention_interface, text_config
+from .models import check_attention_interface, kv_head_shards, text_config
 from . import ops
 from .quant import QuantizedBlocks, QuantizedRows
 from .rotations_io import OscarRotations
@@ -571,12 +571,21 @@ class OscarCache(Cache):
         self.oscar_config = config
         self.rotations = rotations
         self.geometry = geometry
+        # tensor parallelism: each rank's layers hold their own KV heads, with those heads' rotations and key means
+        self.kv_head_shards = (kv_head_shards(model, geometry.head_dim, geometry.num_key_value_heads)
+                               if hasattr(model, "named_modules") else {})
         super().__init__(layers=self._make_layers(geometry, rotations, config, max_cache_len))
 
-    @staticmethod
-    def _layer_arguments(i: int, rotations: OscarRotations, config: OscarConfig) -> tuple:
+    def _local_heads(self, i: int, per_head: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of a per-KV-head tensor `[H, ...]` that layer `i` holds on this rank."""
+        if per_head is None or i not in self.kv_head_shards:
+            return per_head
+        first, count = self.kv_head_shards[i]
+        return per_head[first : first + count]
+
+    def _layer_arguments(self, i: int, rotations: OscarRotations, config: OscarConfig) -> tuple:
         """Rotations, clips and config of OSCAR layer `i` (positional arguments of `OscarLayer`)."""
-        return (rotations.key_rotations[i], rotations.value_rotations[i],
+        return (self._local_heads(i, rotations.key_rotations[i]), self._local_heads(i, rotations.value_rotations[i]),
                 config.clip_ratio("key", rotations.key_clip(i)), config.clip_ratio("value", rotations.value_clip(i)),
                 config)
 
@@ -585,7 +594,7 @@ class OscarCache(Cache):
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
                 layers.append(OscarLayer(*self._layer_arguments(i, rotations, config), max_cache_len,
-                                         key_mean=rotations.key_mean(i)))
+                                         key_mean=self._local_heads(i, rotations.key_mean(i))))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
         return layers

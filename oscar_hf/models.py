@@ -135,3 +135,44 @@ def check_attention_interface(model) -> None:
             f"{type(model).__name__} computes attention outside transformers' AttentionInterface, so the OSCAR "
             "attention cannot be attached (the model code must call ALL_ATTENTION_FUNCTIONS.get_interface)"
         )
+
+
+def kv_head_shards(model, head_dim: int, num_key_value_heads: int) -> dict[int, tuple[int, int]]:
+    """Under tensor parallelism (`tp_plan="auto"` under torchrun), the KV heads each layer computes on this rank:
+    `{layer: (first head, count)}`, only for layers holding fewer than all heads (empty without TP).
+
+    Read from the layer's `k_proj` weight: a DTensor sharded on its output rows tells its global offset; a plain
+    tensor smaller than the whole projection (a model sharded into local tensors) is taken as the rank's contiguous
+    block. Shardings the cache cannot follow (heads split inside, a replicated-but-partial layout) are refused."""
+    import re
+
+    import torch
+
+    shards = {}
+    for name, module in model.named_modules():
+        match = re.search(r"layers\.(\d+)\.self_attn$", name)
+        weight = getattr(getattr(module, "k_proj", None), "weight", None)
+        if match is None or weight is None:
+            continue
+        layer = int(match.group(1))
+        if hasattr(weight, "placements"):  # DTensor
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+            rows, first_row = shape[0], offset[0]
+        else:
+            rows = weight.shape[0]
+            if rows >= num_key_value_heads * head_dim:
+                continue
+            tp_size = getattr(model, "tp_size", None) or (torch.distributed.get_world_size()
+                                                           if torch.distributed.is_initialized() else 1)
+            rank = torch.distributed.get_rank() % tp_size if torch.distributed.is_initialized() else 0
+            first_row = rank * rows
+        if rows == num_key_value_heads * head_dim:
+            continue
+        if rows % head_dim or first_row % head_dim:
+            raise UnsupportedModelError(
+                f"layer {layer}'s k_proj is sharded into {rows} output rows at offset {first_row}, which splits KV "
+                f"heads of dim {head_dim}: OscarCache can follow tensor parallelism only across whole KV heads")
+        shards[layer] = (first_row // head_dim, rows // head_dim)
+    return shards

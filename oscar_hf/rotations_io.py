@@ -477,6 +477,8 @@ def weight_fingerprint(model) -> dict[str, Any] | None:
     for layer, which, param in chosen:
         if param.device.type == "meta" or not param.dtype.is_floating_point:
             return None
+        if hasattr(param, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, as calibrated
+            param = param.full_tensor()
         signs = torch.signbit(param.detach().to("cpu", torch.float32)).flatten()
         digest.update(f"{'first' if layer == ends[0] else 'last'}.{which}{tuple(param.shape)};".encode())
         digest.update(np.packbits(signs.numpy()).tobytes())

@@ -363,7 +363,8 @@ class StaticOscarCache(OscarCache):
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
                 layers.append(StaticOscarLayer(*self._layer_arguments(i, rotations, config), plan=self.plan,
-                                               max_cache_len=max_cache_len, key_mean=rotations.key_mean(i)))
+                                               max_cache_len=max_cache_len,
+                                               key_mean=self._local_heads(i, rotations.key_mean(i))))
             else:
                 layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len,
                                                        sliding_window=geometry.sliding_windows[i]))
