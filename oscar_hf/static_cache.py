@@ -59,8 +59,8 @@ class DecodePlan:
         host_start: `start` as a Python int, set only for multi-token passes (which synchronise once).
     """
 
-    def __init__(self, sink: int, window: int, block: int):
-        self.sink, self.window, self.block = sink, window, block
+    def __init__(self, sink: int, window: int, block: int, max_cache_len: int):
+        self.sink, self.window, self.block, self.max_cache_len = sink, window, block, max_cache_len
         self.ring = window + 2 * block
         self.length = torch.zeros((), dtype=torch.int64)
         self.start = torch.zeros((), dtype=torch.int64)
@@ -80,8 +80,15 @@ class DecodePlan:
     def advance(self, tokens: int) -> None:
         """A forward pass of `tokens` tokens begins (in place: a captured graph replays it)."""
         self.host_start = int(self.length) if tokens > 1 else None  # the chunk path needs it on the host anyway
+        if self.host_start is not None and self.host_start + tokens > self.max_cache_len:
+            raise ValueError(f"StaticOscarCache holds {self.max_cache_len} tokens (max_cache_len); this pass would "
+                             f"store {self.host_start + tokens}")
         self.start.copy_(self.length)
         self.length.add_(tokens)
+        # a device-side check (capturable, no synchronisation): writing past the buffers must fail loudly
+        torch._assert_async(self.length <= self.max_cache_len,
+                            f"StaticOscarCache is full: it holds max_cache_len={self.max_cache_len} tokens; "
+                            "create it with a larger max_cache_len (prompt + new tokens)")
         s, w, b = self.sink, self.window, self.block
         n_sink = self.length.clamp(max=s)
         n_hist = torch.div(self.length - s - w, b, rounding_mode="floor").clamp(min=0) * b
@@ -224,8 +231,6 @@ class StaticOscarLayer(OscarLayer):
         l0 = plan.host_start
         n = keys.shape[2]
         l1 = l0 + n
-        if l1 > self.max_cache_len:
-            raise ValueError(f"StaticOscarCache holds {self.max_cache_len} tokens (max_cache_len); this pass would store {l1}")
         device = keys.device
         rk, rv = rotate(keys, self.key_rotation), rotate(values, self.value_rotation)
         nh0, nh1 = history_rows(l0, s, w, b), history_rows(l1, s, w, b)
@@ -358,7 +363,7 @@ class StaticOscarCache(OscarCache):
 
     def _make_layers(self, geometry, rotations, config, max_cache_len):
         c = config
-        self.plan = DecodePlan(c.sink_tokens, c.window_tokens, c.demotion_block)
+        self.plan = DecodePlan(c.sink_tokens, c.window_tokens, c.demotion_block, max_cache_len)
         layers = []
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":

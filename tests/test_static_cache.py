@@ -149,6 +149,9 @@ def test_bad_use_is_refused_with_a_clear_message():
     cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
     with torch.no_grad(), pytest.raises(ValueError, match="holds 50 tokens"):
         model(_ids(1, 60, 6), past_key_values=cache)
+    cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="StaticOscarCache is full"):  # decode steps beyond it
+        model.generate(_ids(1, 40, 6), past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
 
 
 def test_buffers_are_allocated_once_and_sized_by_the_layout():
