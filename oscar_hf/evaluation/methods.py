@@ -238,6 +238,8 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         ("oscar-ch-auto", "channel-wise keys (blocks of 128), basis chosen per head on held-out error", b128),
         ("oscar-ch-id-b64", "channel-wise keys (blocks of 64), keys not rotated",
          base.replace(choose_key_basis=False, key_target="identity")),
+        ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
+         base.replace(choose_key_basis=False, key_target="query")),
     ]
     return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
 
