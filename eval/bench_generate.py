@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync  # noqa: E402
+from bench_gpu import GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static")
 COMPILED = {"bf16-static", "oscar-static"}
@@ -217,9 +217,11 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
 
 
 def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
+    import oscar_hf  # noqa: F401  (registers the "oscar" attention)
+
     rows = []
     for arch in archs:
-        model = build_model(arch, device)
+        model = tiny_qwen3(device) if arch == "tiny" else build_model(arch, device)  # tiny: the CPU smoke test
         for length, batch, only in points:
             if time.time() > DEADLINE:
                 rows.append(dict(arch=arch, length=length, batch=batch, skipped={"all": "not run: out of device time"}))
