@@ -631,7 +631,7 @@ class OscarCache(Cache):
         """
         allocated = used = elements = 0
         sliding_bytes = 0
-        tokens = self.get_seq_length(self.geometry.oscar_layers[0])
+        tokens = int(self.get_seq_length(self.geometry.oscar_layers[0]))  # a device tensor for StaticOscarCache
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 m = layer.memory_bytes()

@@ -173,6 +173,8 @@ def test_buffers_are_allocated_once_and_sized_by_the_layout():
     expected += 2 * rows * heads * d // 4  # 2-bit codes, keys and values
     expected += (rows // b) * heads * d * 2 * 2 + rows * heads * 1 * 2 * 2  # fp16 (scale, min): keys per block, values per token
     assert layer.memory_bytes()["allocated"] == expected
+    report = sta.memory_report()
+    assert report["tokens"] == 57 and isinstance(report["tokens"], int)  # 30 + 20 + 7, a number, not a device tensor
 
 
 def _generate(model, ids, cache, **kw):
