@@ -189,6 +189,9 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
         if not times[m]["long"]:
             continue
         long_t, short_t = min(times[m]["long"]), min(times[m]["short"])
+        if long_t <= short_t:  # N decode steps took no measurable time: noise (tiny models, a busy CPU)
+            skipped[m] = f"timing noise: generate of {new_tokens + 1} tokens took {long_t:.4f} s, of 1 token {short_t:.4f} s"
+            continue
         row[f"{m}_tokens_per_s"] = batch * new_tokens / (long_t - short_t)
         row[f"{m}_ms_per_step"] = 1000 * (long_t - short_t) / new_tokens
         step_bytes[m] = weights + kv_bytes(m, model, batch, length)

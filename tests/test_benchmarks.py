@@ -13,14 +13,16 @@ def test_bench_generate_smoke_and_report(tmp_path):
     out = tmp_path / "gpu"
     methods = "bf16-eager,bf16-static,oscar-eager,oscar-static-eager,oscar-static"
     subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections", "speed",
-                    "--archs", "tiny", "--points", "600x2", "--new-tokens", "3", "--rounds", "1", "--methods", methods],
+                    "--archs", "tiny", "--points", "600x2", "--new-tokens", "6", "--rounds", "1", "--methods", methods],
                    check=True, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     result = json.loads((out / "bench_generate.json").read_text())
     row = result["speed"][0]
-    assert (row["length"], row["batch"]) == (600, 2) and not row["skipped"], row
-    for m in methods.split(","):
-        assert row[f"{m}_tokens_per_s"] > 0 and row[f"{m}_roofline_ms"] > 0
+    for m in methods.split(","):  # every method went through generate; on a busy CPU a tiny model's timing may be noise
+        if f"{m}_tokens_per_s" in row:
+            assert row[f"{m}_tokens_per_s"] > 0 and row[f"{m}_roofline_ms"] > 0
+        else:
+            assert row["skipped"][m].startswith("timing noise"), row["skipped"]
     report = tmp_path / "GPU_RESULTS.md"
     subprocess.run([sys.executable, str(REPO / "eval" / "make_gpu_report.py"), "--generate", str(out / "bench_generate.json"),
                     "--output", str(report)], check=True, cwd=REPO, timeout=300)
-    assert "| tiny | 600 | 2 |" in report.read_text()
+    assert (row["length"], row["batch"]) == (600, 2) and "| tiny | 600 | 2 |" in report.read_text()
