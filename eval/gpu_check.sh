@@ -6,7 +6,7 @@
 #
 #   OUT=/some/dir bash eval/gpu_check.sh [--sections check,quant,memory,micro] [other bench_gpu.py arguments]
 #   BENCH=bench_generate.py OUT=/some/dir bash eval/gpu_check.sh [bench_generate.py arguments]
-# Wheels in gpu-wheels/ (not committed: e.g. hqq for transformers' QuantizedCache, which the GPU image lacks) are
+# Wheels in gpu-wheels/ (git-ignored; give it to the device tool as `carry`: e.g. hqq for transformers' QuantizedCache, which the GPU image lacks) are
 # installed into the same temporary site first.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
