@@ -314,7 +314,15 @@ class StaticOscarLayer(OscarLayer):
                 *self.history_keys.buffers.values(), *self.history_values.buffers.values()]
 
     def _map_batch(self, fn) -> None:
-        raise NotImplementedError("StaticOscarCache has a fixed batch size: expand the inputs before the prefill")
+        """Batch expansion or selection (`batch_repeat_interleave`, `batch_select_indices`): new buffers of the new
+        batch size, marked static again (a compiled step then recompiles for them, as for any new shape)."""
+        self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
+        self.ring_keys, self.ring_values = fn(self.ring_keys), fn(self.ring_values)
+        self.history_keys.map_batch(fn)
+        self.history_values.map_batch(fn)
+        if not is_torchdynamo_compiling():
+            for t in self._buffers():
+                torch._dynamo.mark_static_address(t)
 
     def stored_states(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored tokens as rotated dense tensors `[B, H, L, d]` (history dequantized), for inspection."""

@@ -203,3 +203,16 @@ def test_generate_modes_match_the_dynamic_cache(mode):
         else:
             outs.append(_generate(model, ids, cache, prompt_lookup_num_tokens=4))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_batch_selection_and_expansion_follow_the_dynamic_cache():
+    model, dyn, sta = _pair()
+    with torch.no_grad():
+        for cache in (dyn, sta):
+            model(_ids(3, 30, 11), past_key_values=cache)
+            cache.batch_select_indices(torch.tensor([2, 0]))
+            cache.batch_repeat_interleave(2)
+        for s in range(6):
+            ids = _ids(4, 1, 40 + s)
+            a, b = model(ids, past_key_values=dyn).logits, model(ids, past_key_values=sta).logits
+            assert b.shape[0] == 4 and (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
