@@ -38,6 +38,13 @@ def test_eval_stages_and_results_page(tmp_path):
     cells = {(r["method"], r["length"]) for r in merged["results"]}
     assert cells == {(m, 500) for m in methods.split(",")} | {("bf16", 400), ("oscar", 400)}
     assert merged["meta"]["data"]["lengths"] == [400, 500] and "bf16@500" in merged["meta"]["carried_over"]["cells"]
+    # another depth adds a trial to a cell; the same trial measured again replaces the old record
+    for _ in range(2):
+        assert main(["eval", "niah", *common, "--methods", "bf16", "--lengths", "400", "--depths", "0.3",
+                     "--max-new-tokens", "3"]) == 0
+    merged = json.loads((out / "tiny" / "niah.json").read_text())
+    trials = sorted((r["method"], r["depth"]) for r in merged["results"] if r["length"] == 400)
+    assert trials == [("bf16", 0.3), ("bf16", 0.5), ("oscar", 0.5)]
     page = tmp_path / "page"
     subprocess.run([sys.executable, str(REPO / "eval" / "make_results.py"), "--results", str(out), "--output", str(page)],
                    check=True, cwd=REPO)

@@ -218,12 +218,13 @@ class Session:
                     "calibration": self.calibration_meta(rotations),
                     "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
                                 "with cache.update; question fed through the cache; greedy answer"})
-                path = self.write_records(stage, meta, records, {(m, n) for m in methods for n in lengths})
+                path = self.write_records(stage, meta, records, {_trial_key(r) for r in records})
         return path
 
-    def write_records(self, stage: str, meta: dict, records: list[dict], measured: set[tuple[str, int]]) -> Path:
-        """Writes per-trial records; records of an earlier file for (method, length) cells this run does not measure
-        are kept, with the provenance of the run that measured them (a 16K run adds to the 4K/8K cells)."""
+    def write_records(self, stage: str, meta: dict, records: list[dict], measured: set[tuple]) -> Path:
+        """Writes per-trial records; records of an earlier file for trials (method, length, depth, seed) this run
+        does not measure are kept, with the provenance of the run that measured them (a 16K run adds to the 4K/8K
+        cells; a run of more depths adds trials to a cell; a trial measured again is replaced)."""
         path = self.output / f"{stage}{self.suffix}.json"
         if path.is_file():
             old = json.loads(path.read_text())
@@ -291,8 +292,12 @@ def _carried_over(old: dict, measured: set[str]) -> dict:
                                "versions": meta.get("versions")} for n in keep}}
 
 
-def _carried_over_records(old: dict, measured: set[tuple[str, int]]) -> tuple[list[dict], dict]:
-    """The per-trial records of an earlier file whose (method, length) cell a new run does not measure; files from
+def _trial_key(record: dict) -> tuple:
+    return record["method"], record["length"], record["depth"], record["seed"]
+
+
+def _carried_over_records(old: dict, measured: set[tuple]) -> tuple[list[dict], dict]:
+    """The per-trial records of an earlier file whose trial (`_trial_key`) a new run does not measure; files from
     before the channel-wise layout name the paper's layout `oscar` (renamed `oscar-token`, as in `_carried_over`)."""
     methods = dict(old["meta"].get("methods", {}))
     legacy = "key_granularity" not in methods.get("oscar", {}).get("oscar_config", {"key_granularity": None})
@@ -303,7 +308,7 @@ def _carried_over_records(old: dict, measured: set[tuple[str, int]]) -> tuple[li
             continue  # measured in the old default layout, which these names no longer mean
         if legacy and record["method"] == "oscar":
             record["method"] = "oscar-token"
-        if (record["method"], record["length"]) not in measured:
+        if _trial_key(record) not in measured:
             kept.append(record)
     if legacy and "oscar" in methods:
         methods["oscar-token"] = methods.pop("oscar")
