@@ -273,7 +273,8 @@ def section_tune(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
 
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
-    grid = [(bn, nw, ns, tp) for bn in (64, 128) for nw in (2, 4, 8) for ns in (1, 2) for tp in (2, 3, 4, 6, 8, 12)]
+    # tiles of the default layout hold one 64-token channel-wise key block (BLOCK_N <= 64)
+    grid = [(64, nw, ns, tp) for nw in (2, 4, 8) for ns in (1, 2, 3) for tp in (3, 6, 12)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -320,7 +321,7 @@ class _Module(torch.nn.Module):
 def section_micro(device, quick, tuned, copy_bw):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from oscar_hf.kernels.attention import segment_attention_triton
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH, segment_attention_triton
 
     lengths = [4096, 32768, 65536, 100_000, 131072] if not quick else [2048]
     batches = [1, 8, 32] if not quick else [1, 2]
@@ -330,12 +331,20 @@ def section_micro(device, quick, tuned, copy_bw):
     rows = []
     for b in batches:
         for length in lengths:
-            row = dict(batch=b, length=length)
+            row = dict(batch=b, length=length, launch=kw or {k: DEFAULT_LAUNCH[k] for k in ("block_n", "num_warps_channel_keys", "num_stages",
+                                                                                             "programs_per_sm")})
             args = decode_args(b, length, device)
             q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
 
             def kernel_only():
                 return segment_attention_triton(*args, **kw)
+
+            def kernel_plain_unpack():  # the same kernel with the compiler's unpacking instead of the inline PTX
+                DEFAULT_LAUNCH["ptx_unpack"] = False
+                try:
+                    return segment_attention_triton(*args, **kw)
+                finally:
+                    DEFAULT_LAUNCH["ptx_unpack"] = True
 
             def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
                 q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
@@ -344,6 +353,8 @@ def section_micro(device, quick, tuned, copy_bw):
 
             nbytes = bytes_read(args)
             row["oscar_kernel_us"] = bench_graph(kernel_only)
+            if device.type == "cuda":
+                row["oscar_kernel_plain_unpack_us"] = bench_graph(kernel_plain_unpack)
             row["oscar_layer_us"] = bench_graph(full_layer)
             row["oscar_layer_eager_us"] = bench(full_layer)
             row["oscar_bytes"] = nbytes
@@ -364,6 +375,7 @@ def section_micro(device, quick, tuned, copy_bw):
                 del k, v
                 free()
             log(f"micro B={b:2d} L={length:6d}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
+                f"(compiler unpack {row.get('oscar_kernel_plain_unpack_us', float('nan')):8.1f} us) "
                 f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
                 f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
                 f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")
@@ -689,7 +701,9 @@ def main(argv=None):
     if "copy_bandwidth" not in results:
         results["copy_bandwidth"] = copy_bandwidth(device)
         log(f"copy bandwidth {results['copy_bandwidth'] / 1e9:.0f} GB/s (read + write)")
-    tuned = json.loads(args.tuned) if args.tuned else results.get("tune", {}).get("best")
+    # launch parameters: --tuned, or this call's tune section; otherwise the kernel's DEFAULT_LAUNCH (an earlier
+    # call's tune in the results file may be of another kernel version)
+    tuned = json.loads(args.tuned) if args.tuned else None
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:
@@ -701,6 +715,7 @@ def main(argv=None):
             elif name == "tune":
                 results["tune"] = section_tune(device, args.quick)
                 tuned = results["tune"]["best"]
+                (out_dir / "tuned.json").write_text(json.dumps(tuned))
             elif name == "micro":
                 results["micro"] = section_micro(device, args.quick, tuned, results["copy_bandwidth"])
             elif name == "quant":

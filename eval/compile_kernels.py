@@ -29,7 +29,8 @@ import oscar_hf.kernels.quantize as quantize
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{q}", "sink_v": "*{q}", "codes_k": "*u8",
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
-            "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16"}
+            "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
+            "len_ptr": "*i32"}
 
 
 def signature(fn, constexprs, qtype):
@@ -135,7 +136,8 @@ def main():
     variants += [(128, 1, 16, bn, "bf16", False, kb) for bn in (32, 128) for kb in (0, 64)]
     variants += [(128, 1, 64, 64, "bf16", True, 64), (128, 1, 16, 64, "fp16", True, 0), (64, 2, 64, 32, "fp16", False, 64)]
     for d, groups, block_m, block_n, qtype, mask, key_block in variants:
-        const = dict(D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False)
+        const = dict(D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False,
+                     DEVICE_LENGTHS=key_block > 0, PTX_UNPACK=True)
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, signature(attention._segment_attention_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
@@ -150,7 +152,7 @@ def main():
     qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
     for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
         const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
-                     META=int(meta_bf16), UPCAST=False)
+                     META=int(meta_bf16), UPCAST=False, SORT_BITS=16)
         qtype = "bf16" if bf16 else "fp16"
         try:
             k = triton.compile(ASTSource(quantize._quantize_pack_kernel, signature(quantize._quantize_pack_kernel, const, qtype),

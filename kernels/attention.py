@@ -7,7 +7,8 @@ long prefill onto a filled cache) — with an online softmax, and writes its par
 The INT2 history is never dequantized into memory: a key row is k = c·s + m (codes c ∈ {0..3}, per-token scale s
 and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
 Σ_j p_j v_j = Σ_j (p_j s_j) c_j + Σ_j p_j m_j.
-Codes become fp16 operands by the magic-number trick (see `_plane`), not by int -> float conversions.
+Codes become fp16 operands by the magic-number trick (see `_planes`: inline PTX, two codes per instruction), not by
+int -> float conversions.
 Stage 2 (`_merge_kernel`) merges the splits by log-sum-exp (FlashInfer's merge_state), exactly.
 
 Masking: key positions are [sink | history | recent | extra] = [0, n_sink, n_sink+n_hist, ...]; query row r sits at
@@ -16,6 +17,7 @@ position q_start + (r mod T) and sees keys at positions <= its own (causal), whe
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -88,12 +90,49 @@ def _bf16_range(
 
 
 @triton.jit
-def _plane(codes, p: tl.constexpr):
-    # Codes of quarter plane p as exact fp16 numbers without an int -> float conversion (a quarter-rate instruction
-    # that bounded the kernel): the code c or-ed into the mantissa of 1024.0 (0x6400) is the fp16 number 1024 + c;
-    # subtracting 1024 leaves c, exactly (LLVM pairs the subtractions into add.f16x2).
-    c = ((codes >> (2 * p)) & 3).to(tl.int16)
-    return (c | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+def _planes(codes, ASM: tl.constexpr):
+    """The four quarter planes of packed 2-bit codes as exact fp16 numbers, plane p scaled by 4^p: c_p·4^p.
+
+    Each plane is selected by a mask, not shifted down: a code masked in place (c·4^p <= 192) or-ed into the mantissa
+    of 1024.0 (0x6400) is the fp16 number 1024 + c·4^p, and subtracting 1024 leaves c·4^p exactly; callers fold 4^-p
+    into the query (keys) or the accumulator (values). On the GPU (`ASM`) one block of PTX does this for 4 bytes at
+    once, two codes per instruction: a `prmt` orders the bytes [b0, b2, b1, b3] so that the low and high halves of
+    one 32-bit word hold bytes 0 and 1 (and, shifted by 8, bytes 2 and 3), then per plane one `lop3` ((x & mask) | magic)
+    and one `sub.f16x2` per pair: 1.1 instructions per code where the compiler's byte extraction took ~1.8.
+    The interpreter (CPU tests) runs the same arithmetic in plain Triton."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, u, m;
+            prmt.b32 t, $8, 0, 0x3120;
+            shr.b32 u, t, 8;
+            mov.b32 m, 0x64006400;
+            lop3.b32 $0, t, 0x00030003, m, 0xEA;
+            lop3.b32 $1, u, 0x00030003, m, 0xEA;
+            lop3.b32 $2, t, 0x000c000c, m, 0xEA;
+            lop3.b32 $3, u, 0x000c000c, m, 0xEA;
+            lop3.b32 $4, t, 0x00300030, m, 0xEA;
+            lop3.b32 $5, u, 0x00300030, m, 0xEA;
+            lop3.b32 $6, t, 0x00c000c0, m, 0xEA;
+            lop3.b32 $7, u, 0x00c000c0, m, 0xEA;
+            sub.f16x2 $0, $0, m;
+            sub.f16x2 $1, $1, m;
+            sub.f16x2 $2, $2, m;
+            sub.f16x2 $3, $3, m;
+            sub.f16x2 $4, $4, m;
+            sub.f16x2 $5, $5, m;
+            sub.f16x2 $6, $6, m;
+            sub.f16x2 $7, $7, m;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[codes], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    c0 = ((codes & 0x03).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    c1 = ((codes & 0x0C).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    c2 = ((codes & 0x30).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    c3 = ((codes & 0xC0).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -105,14 +144,15 @@ def _scale_min(row, offset, sm_2, ok):
 
 
 @triton.jit
-def _channel_plane(s, bias, q, codes, mblk, p: tl.constexpr, smk_g, smk_2, QD: tl.constexpr, UPCAST: tl.constexpr):
-    """Adds quarter plane p of channel-wise keys to the scores `s` and its minima to the per-row `bias`."""
+def _channel_plane(s, bias, q, plane, mblk, p: tl.constexpr, smk_g, smk_2, QD: tl.constexpr, UPCAST: tl.constexpr):
+    """Adds quarter plane p (codes·4^p, see `_planes`) of channel-wise keys to the scores `s` and the products of
+    its minima with the query to `bias` [M, D/4] (reduced once per tile, not per plane)."""
     ch = p * QD + tl.arange(0, QD)
-    scale = tl.load(mblk + ch * smk_g).to(tl.float32)
+    scale = tl.load(mblk + ch * smk_g).to(tl.float32) * (0.25 ** p)
     minimum = tl.load(mblk + ch * smk_g + smk_2).to(tl.float32)
     qf = q.to(tl.float32)
-    s += _dot((qf * scale[None, :]).to(tl.float16), tl.trans(_plane(codes, p)), UPCAST)
-    bias += tl.sum(qf * minimum[None, :], axis=1)
+    s += _dot((qf * scale[None, :]).to(tl.float16), tl.trans(plane), UPCAST)
+    bias += qf * minimum[None, :]
     return s, bias
 
 
@@ -125,7 +165,7 @@ def _int2_range(
     mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
     b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ASM: tl.constexpr,
 ):
     QD: tl.constexpr = D // 4
     dq = tl.arange(0, QD)
@@ -137,36 +177,45 @@ def _int2_range(
     G1: tl.constexpr = 1 * GROUPS // 4
     G2: tl.constexpr = 2 * GROUPS // 4
     G3: tl.constexpr = 3 * GROUPS // 4
+    # `_planes` yields codes·4^p: token-wise key dots take queries scaled by 4^-p (exact), value accumulators run
+    # scaled by 4^p and are scaled back after the loop
+    r1 = (q1.to(tl.float32) * 0.25).to(q1.dtype)
+    r2 = (q2.to(tl.float32) * 0.0625).to(q2.dtype)
+    r3 = (q3.to(tl.float32) * 0.015625).to(q3.dtype)
+    acc1 = acc1 * 4.0
+    acc2 = acc2 * 16.0
+    acc3 = acc3 * 64.0
     for start in range(lo, hi, BLOCK_N):
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+        k0, k1, k2, k3 = _planes(ck, ASM)
         if KEY_BLOCK > 0:
             # Channel-wise keys: the tile lies in one block (BLOCK_N divides KEY_BLOCK), whose per-channel scale s_c
             # and minimum m_c fold into the query: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c. (Tiles spanning two
             # blocks, with two scaled queries, measured slower on the H200: 169 vs 146 us at 100K, batch 1.)
             mblk = base_mk + (start // KEY_BLOCK) * smk_t
             s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
-            bias = tl.zeros((q0.shape[0],), tl.float32)
-            s, bias = _channel_plane(s, bias, q0, ck, mblk, 0, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q1, ck, mblk, 1, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q2, ck, mblk, 2, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q3, ck, mblk, 3, smk_g, smk_2, QD, UPCAST)
-            s += bias[:, None]
+            bias = tl.zeros((q0.shape[0], QD), tl.float32)
+            s, bias = _channel_plane(s, bias, q0, k0, mblk, 0, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q1, k1, mblk, 1, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q2, k2, mblk, 2, smk_g, smk_2, QD, UPCAST)
+            s, bias = _channel_plane(s, bias, q3, k3, mblk, 3, smk_g, smk_2, QD, UPCAST)
+            s += tl.sum(bias, axis=1)[:, None]
         else:
             mrow = base_mk + idx * smk_t
             ks0, km0 = _scale_min(mrow, 0, smk_2, ok)
-            s = _dot(q0, tl.trans(_plane(ck, 0)), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
+            s = _dot(q0, tl.trans(k0), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
             if GROUPS == 1:
-                s += (_dot(q1, tl.trans(_plane(ck, 1)), UPCAST) + _dot(q2, tl.trans(_plane(ck, 2)), UPCAST)
-                      + _dot(q3, tl.trans(_plane(ck, 3)), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
+                s += (_dot(r1, tl.trans(k1), UPCAST) + _dot(r2, tl.trans(k2), UPCAST)
+                      + _dot(r3, tl.trans(k3), UPCAST)) * ks0[None, :] + (qs1 + qs2 + qs3)[:, None] * km0[None, :]
             else:
                 ks1, km1 = _scale_min(mrow, G1 * smk_g, smk_2, ok)
                 ks2, km2 = _scale_min(mrow, G2 * smk_g, smk_2, ok)
                 ks3, km3 = _scale_min(mrow, G3 * smk_g, smk_2, ok)
-                s += _dot(q1, tl.trans(_plane(ck, 1)), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
-                s += _dot(q2, tl.trans(_plane(ck, 2)), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
-                s += _dot(q3, tl.trans(_plane(ck, 3)), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
+                s += _dot(r1, tl.trans(k1), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
+                s += _dot(r2, tl.trans(k2), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
+                s += _dot(r3, tl.trans(k3), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
         kpos = pos_offset + idx
         valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
         if HAS_MASK:
@@ -174,24 +223,25 @@ def _int2_range(
             valid = valid & (km != 0)[None, :]
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
+        v0, v1, v2, v3 = _planes(cv, ASM)
         vrow = base_mv + idx * sm_t
         vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
             ps = (p * vs0[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
             bias = tl.sum(p * vm0[None, :], axis=1)[:, None]
-            acc0 += _dot(ps, _plane(cv, 0), UPCAST) + bias
-            acc1 += _dot(ps, _plane(cv, 1), UPCAST) + bias
-            acc2 += _dot(ps, _plane(cv, 2), UPCAST) + bias
-            acc3 += _dot(ps, _plane(cv, 3), UPCAST) + bias
+            acc0 += _dot(ps, v0, UPCAST) + bias
+            acc1 += _dot(ps, v1, UPCAST) + bias * 4.0
+            acc2 += _dot(ps, v2, UPCAST) + bias * 16.0
+            acc3 += _dot(ps, v3, UPCAST) + bias * 64.0
         else:
             vs1, vm1 = _scale_min(vrow, G1 * sm_g, sm_2, ok)
             vs2, vm2 = _scale_min(vrow, G2 * sm_g, sm_2, ok)
             vs3, vm3 = _scale_min(vrow, G3 * sm_g, sm_2, ok)
-            acc0 += _dot((p * vs0[None, :]).to(tl.float16), _plane(cv, 0), UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
-            acc1 += _dot((p * vs1[None, :]).to(tl.float16), _plane(cv, 1), UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None]
-            acc2 += _dot((p * vs2[None, :]).to(tl.float16), _plane(cv, 2), UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None]
-            acc3 += _dot((p * vs3[None, :]).to(tl.float16), _plane(cv, 3), UPCAST) + tl.sum(p * vm3[None, :], axis=1)[:, None]
-    return m_i, l_i, acc0, acc1, acc2, acc3
+            acc0 += _dot((p * vs0[None, :]).to(tl.float16), v0, UPCAST) + tl.sum(p * vm0[None, :], axis=1)[:, None]
+            acc1 += _dot((p * vs1[None, :]).to(tl.float16), v1, UPCAST) + tl.sum(p * vm1[None, :], axis=1)[:, None] * 4.0
+            acc2 += _dot((p * vs2[None, :]).to(tl.float16), v2, UPCAST) + tl.sum(p * vm2[None, :], axis=1)[:, None] * 16.0
+            acc3 += _dot((p * vs3[None, :]).to(tl.float16), v3, UPCAST) + tl.sum(p * vm3[None, :], axis=1)[:, None] * 64.0
+    return m_i, l_i, acc0, acc1 * 0.25, acc2 * 0.0625, acc3 * 0.015625
 
 
 @triton.jit
@@ -212,7 +262,7 @@ def _segment_attention_kernel(
     hist_splits, hist_chunk, extra_chunk,
     scale, len_ptr, ring_size,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr,
+    HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -258,7 +308,7 @@ def _segment_attention_kernel(
     elif split < recent_split:
         lo = (split - 1) * hist_chunk
         hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
-        # The codes are fp16 (see _plane), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
+        # The codes are fp16 (see _planes), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
         # scale keeps |q| far from fp16's range limit).
         h0 = (q0.to(tl.float32) * scale).to(tl.float16)
         h1 = (q1.to(tl.float32) * scale).to(tl.float16)
@@ -272,7 +322,8 @@ def _segment_attention_kernel(
             h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
             codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d, meta_k, smk_b, smk_h, smk_t, smk_g, smk_2,
             meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
-            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST)
+            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST,
+            PTX_UNPACK)
     elif split == recent_split:
         # slots [ring_lo, ring_lo + n_recent) modulo ring_size: at most two contiguous pieces (one without a ring)
         offset = n_sink + n_hist - ring_lo
@@ -342,8 +393,15 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
 
 
 _SMS: dict = {}
-# Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md).
-DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_stages=1, programs_per_sm=12)
+# Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md);
+# `ptx_unpack`: codes unpacked by inline PTX (`_planes`; never in the interpreter, which cannot run PTX).
+# With channel-wise keys (the default layout: 64-token tiles) 2 warps per program measured best (tune section of
+# results/gpu/bench_gpu.json: 120 vs 144 us at B=1, 100K; 294 vs 353 us at B=8, 32K); token-wise keys keep v4's 4.
+DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=2, num_stages=1, programs_per_sm=12,
+                      ptx_unpack=True)
+# a benchmark's tuned parameters for a whole process (JSON, e.g. '{"num_warps": 2}'): eval/gpu_check.sh passes the
+# tune section's choice on to the generate benchmark this way
+DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -392,7 +450,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     block_n = block_n or (DEFAULT_LAUNCH["block_n"] if block_m == 16 and d <= 128 else 64)
     if key_block:
         block_n = min(block_n, key_block)  # a key tile never straddles two channel-wise blocks
-    num_warps = num_warps or DEFAULT_LAUNCH["num_warps"]
+    num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_block else "num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
     target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
@@ -428,7 +486,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         hist_splits, hist_chunk, extra_chunk,
         scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
         D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
-        DEVICE_LENGTHS=device_lengths is not None, num_warps=num_warps, num_stages=num_stages,
+        DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)

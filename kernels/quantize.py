@@ -2,7 +2,7 @@
 
 One program handles BLOCK_T rows (tokens) of one (batch, KV head): optionally rotates them (x·R_h with `tl.dot`,
 rounded to the storage dtype exactly like the torch path's matmul), clips each row at its quantile threshold
-τ = sort(|x|)[floor(r·d)] (`tl.sort`), computes per-group min/max, a 16-bit scale and minimum, codes
+τ = sort(|x|)[floor(r·d)] (found by bisection over the bit patterns, `_order_statistic_abs`), computes per-group min/max, a 16-bit scale and minimum, codes
 rint((x − m)/s) ∈ [0, 3] from the *stored* scale/minimum, and packs 4 codes per byte along head_dim in quarter
 planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the convention of `oscar_hf.quant`.
 """
@@ -107,6 +107,36 @@ def _quantize_pack_channels_kernel(
 
 
 @triton.jit
+def _order_statistic_abs(x, k, STORE_BF16: tl.constexpr, SORT_BITS: tl.constexpr):
+    """Per row of x [T, D], the k-th smallest |x| (0-based): exactly sort(|x|)[k], found without a sort.
+
+    Non-negative floats order like their bit patterns, so the threshold is the smallest pattern t with
+    #{|x| <= t} >= k + 1, found by bisection over the patterns: one compare-and-count pass per bit. Rows stored in
+    16 bits (bf16 / fp16, as the cache's are, rotated or not) have 15-bit patterns: 15 passes instead of a bitonic
+    sort's ~28 compare-and-swap stages with their shuffles; float32 rows take 31."""
+    a = tl.abs(x)
+    if SORT_BITS == 16:
+        if STORE_BF16:
+            key = a.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        else:
+            key = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        key = a.to(tl.int32, bitcast=True)
+    lo = tl.zeros((x.shape[0],), tl.int32)
+    hi = tl.full((x.shape[0],), (1 << (SORT_BITS - 1)) - 1, tl.int32)
+    for _ in tl.static_range(SORT_BITS - 1):
+        mid = lo + ((hi - lo) >> 1)
+        enough = tl.sum((key <= mid[:, None]).to(tl.int32), axis=1) >= k + 1
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    if SORT_BITS == 16:
+        if STORE_BF16:
+            return lo.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_pack_kernel(
     x_ptr, rot_ptr, codes_ptr, meta_ptr,
     n_rows, heads, start,
@@ -117,7 +147,7 @@ def _quantize_pack_kernel(
     clip_index,
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SORT_BITS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -132,8 +162,7 @@ def _quantize_pack_kernel(
         r = 0.0
     x = _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
     if CLIP:
-        mag = tl.sort(tl.abs(x), dim=1)
-        tau = tl.sum(tl.where(cols[None, :] == clip_index, mag, 0.0), axis=1)
+        tau = _order_statistic_abs(x, clip_index, STORE_BF16, SORT_BITS)
         x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
     GS: tl.constexpr = D // GROUPS
     xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
@@ -200,4 +229,6 @@ def quantize_pack_triton(
         D=d, GROUPS=groups, BLOCK_T=block_t,
         ROTATE=rotation is not None, CLIP=clip_index < d, STORE_BF16=x.dtype == torch.bfloat16,
         META=_META_CODES[meta.dtype], UPCAST=upcast,
+        # rows are 16-bit values (stored so, or rounded so after the rotation): 16-bit patterns for the clip search
+        SORT_BITS=16 if rotation is not None or x.dtype in (torch.bfloat16, torch.float16) else 32,
     )

@@ -15,6 +15,17 @@ from test_attention import random_segments
 
 kernels = pytest.importorskip("oscar_hf.kernels", reason="Triton is not installed")
 from oscar_hf.kernels.attention import segment_attention_triton  # noqa: E402
+from oscar_hf.kernels.quantize import _order_statistic_abs  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _order_statistic_rows(x_ptr, out_ptr, k, D: tl.constexpr, BF16: tl.constexpr, BITS: tl.constexpr):
+    rows, cols = tl.arange(0, 8), tl.arange(0, D)
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
+    tl.store(out_ptr + rows, _order_statistic_abs(x, k, BF16, BITS))
 
 
 def test_float32_metadata_is_not_rounded_to_16_bits():
@@ -61,6 +72,24 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype):
     # identical up to rounding ties and (when rotating) the last bit of the rotated value
     assert differ <= (0.01 if rotate else 0.0005) and (a - r).abs().max() <= 1
     assert torch.allclose(meta[:, :, start : start + n].float(), ref_meta[:, :, start : start + n].float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_clip_threshold_by_bisection_equals_the_sorted_value(dtype):
+    """The quantize kernel's clip threshold (bisection over bit patterns) is exactly sort(|x|)[k], ties and zeros
+    included, for every k."""
+    g = torch.Generator().manual_seed(7)
+    d = 32
+    x = torch.randn(8, d, generator=g) * torch.logspace(-6, 6, 8)[:, None]
+    x[0, :10] = 0.0  # zeros
+    x[1] = torch.randint(-3, 4, (d,), generator=g).float()  # many ties
+    x[2, ::2] = -x[2, 1::2]  # equal magnitudes of both signs
+    x = x.to(dtype)
+    reference = x.float().abs().sort(dim=1).values
+    for k in range(d):
+        out = torch.empty(8)
+        _order_statistic_rows[(1,)](x, out, k, D=d, BF16=dtype == torch.bfloat16, BITS=32 if dtype == torch.float32 else 16)
+        assert torch.equal(out, reference[:, k]), k
 
 
 @pytest.mark.parametrize("d,block,rotate,dtype,meta_dtype", [
