@@ -369,7 +369,9 @@ def main(argv=None):
                     key = (r["arch"], r["length"], r["batch"])
                     if key in old:
                         skipped = {**old[key].get("skipped", {}), **r.get("skipped", {})}
-                        skipped = {m: why for m, why in skipped.items() if f"{m}_tokens_per_s" not in r}
+                        measured = any(k.endswith("_tokens_per_s") for k in {**old[key], **r})
+                        skipped = {m: why for m, why in skipped.items()
+                                   if f"{m}_tokens_per_s" not in r and not (m == "all" and measured)}
                         r.update({k: v for k, v in old[key].items() if k not in r}, skipped=skipped)
                     old[key] = r
                 results["speed"] = list(old.values())

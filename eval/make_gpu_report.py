@@ -54,20 +54,25 @@ def e2e_table(rows):
 
 
 def targets(res):
-    """Each target of issue 4 with its measured value, computed from the JSON."""
+    """Each kernel target (issue 12; the system targets of issue 4) with its measured value, computed from the JSON."""
     out = []
     micro = res.get("micro", [])
     long_rows = [r for r in micro if r["length"] >= 32768]
     if long_rows:
         worst = min(long_rows, key=lambda r: r["oscar_fraction_of_copy_bw"])
-        out.append(("decode attention ≥ 80% of copy bandwidth at ≥ 32K (worst point)",
+        out.append(("decode attention ≥ 60% of copy bandwidth at ≥ 32K (worst point)",
                     f"{100 * worst['oscar_fraction_of_copy_bw']:.1f}% (batch {worst['batch']}, {worst['length']:,})",
-                    worst["oscar_fraction_of_copy_bw"] >= 0.8))
+                    worst["oscar_fraction_of_copy_bw"] >= 0.6))
     at100 = [r for r in micro if r["length"] == 100_000 and r.get("speedup_vs_bf16")]
     if at100:
         worst = min(at100, key=lambda r: r["speedup_vs_bf16"])
-        out.append(("decode attention ≥ 5× faster than BF16 sdpa per layer at 100K (worst batch)",
-                    f"{worst['speedup_vs_bf16']:.2f}× (batch {worst['batch']})", worst["speedup_vs_bf16"] >= 5))
+        out.append(("decode attention, rotations included, ≥ 4× faster than BF16 sdpa per layer at 100K (worst batch)",
+                    f"{worst['speedup_vs_bf16']:.2f}× (batch {worst['batch']})", worst["speedup_vs_bf16"] >= 4))
+    prefill = [r for r in res.get("quant", []) if r["kind"].startswith("prefill")]
+    if prefill:
+        worst = min(prefill, key=lambda r: r["gbps"])
+        out.append(("prefill quantization (rotate → clip → quantize → pack, 100K tokens × 8 KV heads) ≥ 1 TB/s (worst kind)",
+                    f"{worst['gbps']:.0f} GB/s ({worst['kind'].split(' (')[0]})", worst["gbps"] >= 1000))
     quant = [r for r in res.get("quant", []) if r["kind"] == "demotion"]
     e2e = res.get("e2e", [])
     if quant and e2e:
@@ -260,8 +265,9 @@ def main(argv=None):
         "",
         *(generate_section(gen, str(gen_path.relative_to(HERE.parent)) if gen_path.is_relative_to(HERE.parent) else str(gen_path))
           if gen else []),
-        "The sections below are kernel-level (`eval/bench_gpu.py`), measured before the storage format became "
-        "channel-wise (`eval/results/gpu/bench_gpu_format3.json` holds the format-3 kernel checks and timings).",
+        "The sections below are kernel-level (`eval/bench_gpu.py`). Checks, decode attention, tuning and quantization "
+        "are of the current kernels (v5, `eval/KERNEL_NOTES.md`; each run's command in the list above); the model-level "
+        "sections (e2e, memory, budget) were measured by earlier calls, with the v4 kernel and the token-wise key layout.",
         "",
         "## Targets",
         "",
