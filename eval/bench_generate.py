@@ -236,6 +236,46 @@ def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
     return rows
 
 
+def section_profile(device, arch, point, methods, new_tokens, out):
+    """Where a compiled decode step's wall time goes outside the GPU: the Python profile (cProfile) of one generate
+    call per method, after a warm-up that compiled it; the top functions by own time, per decode step, go to the log
+    and to `profile_<method>.txt`."""
+    import cProfile
+    import io
+    import pstats
+
+    import oscar_hf  # noqa: F401
+
+    model = tiny_qwen3(device) if arch == "tiny" else build_model(arch, device)
+    length, batch, _ = point
+    rows = []
+    for m in methods:
+        torch._dynamo.reset()
+        free()
+        cache = make_cache(m, model, batch, length + new_tokens + 8)
+        for _ in range(2):  # compile, then one more warm run
+            fill(cache, model, batch, length, device)
+            generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        fill(cache, model, batch, length, device)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        wall = generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+        stats.print_stats(30)
+        (out / f"profile_{m}.txt").write_text(f"{m} {arch} L={length} B={batch}: generate of {new_tokens + 1} tokens, "
+                                              f"{wall * 1000:.1f} ms under cProfile\n" + text.getvalue())
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
+        per_step = [(f"{fn[0].split('/')[-1]}:{fn[1]}:{fn[2]}", 1000 * st[2] / new_tokens, st[1]) for fn, st in top]
+        rows.append(dict(method=m, arch=arch, length=length, batch=batch, wall_ms_under_profile=wall * 1000,
+                         top_own_ms_per_step=per_step))
+        log(f"profile {m} L={length} B={batch}: {wall * 1000 / (new_tokens + 1):.2f} ms per token under cProfile; own time "
+            "per step: " + "; ".join(f"{name} {ms:.3f} ms ({calls} calls)" for name, ms, calls in per_step[:8]))
+        del cache
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ check
 def section_check(device):
     """The decode kernel against its twin on a static cache's buffers (ring wrapped, padding mask), and the same
@@ -360,6 +400,10 @@ def main(argv=None):
         try:
             if name == "check":
                 results["check"] = section_check(device)
+            elif name == "profile":
+                length, batch, only = points[0]
+                results["profile"] = section_profile(device, args.archs.split(",")[0], points[0],
+                                                     [m for m in methods if not only or m in only], args.new_tokens, out)
             elif name == "speed":
                 archs = args.archs.split(",")
                 new = section_speed(device, archs, points, methods, args.new_tokens, args.rounds, results["copy_bandwidth"])
@@ -369,10 +413,11 @@ def main(argv=None):
                     key = (r["arch"], r["length"], r["batch"])
                     if key in old:
                         skipped = {**old[key].get("skipped", {}), **r.get("skipped", {})}
-                        measured = any(k.endswith("_tokens_per_s") for k in {**old[key], **r})
-                        skipped = {m: why for m, why in skipped.items()
-                                   if f"{m}_tokens_per_s" not in r and not (m == "all" and measured)}
-                        r.update({k: v for k, v in old[key].items() if k not in r}, skipped=skipped)
+                        r.update({k: v for k, v in old[key].items() if k not in r})
+                        measured = any(k.endswith("_tokens_per_s") for k in r)
+                        # a method skipped now but measured by an earlier call keeps that call's figures
+                        r["skipped"] = {m: why for m, why in skipped.items()
+                                        if f"{m}_tokens_per_s" not in r and not (m == "all" and measured)}
                     old[key] = r
                 results["speed"] = list(old.values())
             else:

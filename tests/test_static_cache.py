@@ -177,6 +177,21 @@ def test_buffers_are_allocated_once_and_sized_by_the_layout():
     assert report["tokens"] == 57 and isinstance(report["tokens"], int)  # 30 + 20 + 7, a number, not a device tensor
 
 
+def test_every_tensor_the_decode_step_reads_has_a_static_address():
+    """A CUDA graph copies each input whose address is not marked static into its own pool on every replay: the
+    buffers, the plan and the per-layer constants (rotations, block offsets) must all be marked."""
+    model, _, sta = _pair(max_cache_len=100)
+    with torch.no_grad():
+        model(_ids(1, 30, 7), past_key_values=sta)
+    for layer in sta.layers:
+        tensors = {name: t for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and not name.startswith("_")}
+        tensors.update({f"history.{k}": t for h in (layer.history_keys, layer.history_values) for k, t in h.buffers.items()})
+        tensors.update({f"plan.{k}": t for k, t in vars(layer.plan).items() if isinstance(t, torch.Tensor)})
+        assert {"key_rotation", "value_rotation", "block_offsets", "ring_keys"} <= set(tensors)
+        unmarked = [name for name, t in tensors.items() if not hasattr(t, "_dynamo_static_input_type")]
+        assert not unmarked, unmarked
+
+
 def _generate(model, ids, cache, **kw):
     kw.setdefault("max_new_tokens", 20)
     kw.setdefault("do_sample", False)
