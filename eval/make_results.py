@@ -288,6 +288,14 @@ def layout_section() -> list[str]:
                 cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
                          if m in table and L in table[m]["by_length"] else "–" for m in HEADLINE]
                 out.append(f"| {model} | {label} | {L} | " + " | ".join(cells) + " |")
+        levers = [(model, label, m, L, table[m]["by_length"][L], table.get("bf16", {}).get("by_length", {}).get(L))
+                  for model, label, data in niah_rows for table in [niah_table(data["results"])]
+                  for m in table if m not in HEADLINE for L in sorted(table[m]["by_length"])]
+        if levers:
+            out += ["", "Other variants on the same trials (the levers of the format study):", "",
+                    "| model | variant | length | method | hits | `bf16` hits |", "|---|---|---|---|---|---|"]
+            out += [f"| {model} | {label} | {L} | `{m}` | {h[0]}/{h[1]} | {f'{b[0]}/{b[1]}' if b else '–'} |"
+                    for model, label, m, L, h, b in levers]
         out += ["", "Trials: seeded depths × seeds per length (`oscar-hf eval niah --lengths ... --depths ... --seeds "
                 "...`; `--needles 4`: four needles of the same pattern with different names and numbers, one asked "
                 "for); the haystack is prefilled once in BF16 and each method's cache is built from it; the question "
