@@ -240,6 +240,11 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
          base.replace(choose_key_basis=False, key_target="identity")),
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
          base.replace(choose_key_basis=False, key_target="query")),
+        # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
+        ("oscar-diag-keys-b32", "diagnostic: the default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
+         base.replace(demotion_block=32)),
+        ("oscar-diag-values-g32", "diagnostic: the default with value groups of 32 (values 3 bits/element)",
+         base.replace(group_size=32)),
     ]
     return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
 
