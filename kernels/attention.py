@@ -395,8 +395,9 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
 _SMS: dict = {}
 # Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md);
 # `ptx_unpack`: codes unpacked by inline PTX (`_planes`; never in the interpreter, which cannot run PTX).
-# With channel-wise keys (the default layout: 64-token tiles) 2 warps per program measured best (tune section of
-# results/gpu/bench_gpu.json: 120 vs 144 us at B=1, 100K; 294 vs 353 us at B=8, 32K); token-wise keys keep v4's 4.
+# With channel-wise keys (the default layout: 64-token tiles) 2 warps per decode program measured best (tune section
+# of results/gpu/bench_gpu.json: 120 vs 144 us at B=1, 100K; 294 vs 353 us at B=8, 32K); token-wise keys and
+# multi-token chunks keep v4's 4.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=2, num_stages=1, programs_per_sm=12,
                       ptx_unpack=True)
 # a benchmark's tuned parameters for a whole process (JSON, e.g. '{"num_warps": 2}'): eval/gpu_check.sh passes the
@@ -450,7 +451,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     block_n = block_n or (DEFAULT_LAUNCH["block_n"] if block_m == 16 and d <= 128 else 64)
     if key_block:
         block_n = min(block_n, key_block)  # a key tile never straddles two channel-wise blocks
-    num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_block else "num_warps"]
+    # 2 warps suit decode tiles (16 query rows); 64-row chunk tiles need 4 (2 spill ~9 KB per thread in ptxas)
+    num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_block and block_m == 16 else "num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
     target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
