@@ -2,8 +2,9 @@
 
 One program handles BLOCK_T rows (tokens) of one (batch, KV head): optionally rotates them (x·R_h with `tl.dot`,
 rounded to the storage dtype exactly like the torch path's matmul), clips each row at its quantile threshold
-τ = sort(|x|)[floor(r·d)] (found by bisection over the bit patterns, `_order_statistic_abs`), computes per-group min/max, a 16-bit scale and minimum, codes
-rint((x − m)/s) ∈ [0, 3] from the *stored* scale/minimum, and packs 4 codes per byte along head_dim in quarter
+τ = sort(|x|)[floor(r·d)] (found by bisection over the bit patterns, `_order_statistic_abs`), computes per-group
+min/max, a 16-bit scale and minimum, codes rint((x − m)/s) ∈ [0, 3] from the *stored* scale/minimum, and packs 4
+codes per byte along head_dim in quarter
 planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the convention of `oscar_hf.quant`.
 """
 
