@@ -270,37 +270,45 @@ def decode_args(b, length, device, g=4, h=8, d=128):
 
 
 def section_tune(device, quick):
-    from oscar_hf.kernels.attention import segment_attention_triton
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH, segment_attention_triton
 
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
-    # tiles of the default layout hold one 64-token channel-wise key block (BLOCK_N <= 64)
-    grid = [(64, nw, ns, tp) for nw in (2, 4, 8) for ns in (1, 2, 3) for tp in (3, 6, 12)]
+    # Tiles of the default layout hold one 64-token channel-wise key block (BLOCK_N <= 64); v5's sweep found one
+    # stage best. v6: how bytes stay in flight (`prefetch`: the next tile in registers; `l2_ahead`: tiles asked for
+    # in L2 ahead of the loads) and who unpacks (`ptx_unpack`), at v5's best warps/programs and one step off each.
+    grid = [dict(num_warps=nw, programs_per_sm=tp, prefetch=pf, l2_ahead=l2, ptx_unpack=ptx)
+            for nw, tp in ((2, 12), (2, 6), (4, 12)) for pf, l2 in ((False, 0), (True, 0), (False, 2), (False, 4), (False, 8))
+            for ptx in (False, True)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     results = []
     for (b, length) in points:
         args = decode_args(b, length, device)
-        for (bn, nw, ns, tp) in grid:
+        for cfg in grid:
+            DEFAULT_LAUNCH["ptx_unpack"], saved = cfg["ptx_unpack"], DEFAULT_LAUNCH["ptx_unpack"]
             try:
-                fn = lambda: segment_attention_triton(*args, block_n=bn, num_warps=nw, num_stages=ns,  # noqa: E731
-                                                      target_programs=tp * sms)
+                fn = lambda: segment_attention_triton(  # noqa: E731
+                    *args, block_n=64, num_warps=cfg["num_warps"], num_stages=1,
+                    target_programs=cfg["programs_per_sm"] * sms, prefetch=cfg["prefetch"], l2_ahead=cfg["l2_ahead"])
                 fn()
                 us = bench_graph(fn)
             except Exception as e:  # a configuration the compiler rejects
                 us = float("inf")
-                log(f"tune {bn}/{nw}/{ns}/{tp}: {type(e).__name__}")
-            results.append(dict(batch=b, length=length, block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=tp, us=us))
+                log(f"tune {cfg}: {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                DEFAULT_LAUNCH["ptx_unpack"] = saved
+            results.append(dict(batch=b, length=length, block_n=64, num_stages=1, **cfg, us=us))
         del args
         free()
-    # the configuration with the best geometric-mean time over the points
-    def score(cfg):
-        ts = [r["us"] for r in results if (r["block_n"], r["num_warps"], r["num_stages"], r["programs_per_sm"]) == cfg]
+
+    def score(cfg):  # geometric-mean time over the points
+        ts = [r["us"] for r in results if all(r[k] == v for k, v in cfg.items())]
         return math.exp(sum(math.log(t) for t in ts) / len(ts))
 
     best = min(grid, key=score)
-    log(f"tune: best block_n={best[0]} num_warps={best[1]} num_stages={best[2]} programs/SM={best[3]}")
-    return {"sweep": results, "best": dict(block_n=best[0], num_warps=best[1], num_stages=best[2], programs_per_sm=best[3])}
+    log(f"tune: best {best} ({score(best):.1f} us geometric mean)")
+    return {"sweep": results, "best": dict(block_n=64, num_stages=1, **best)}
 
 
 def _kernel_kwargs(tuned, device):
@@ -308,7 +316,8 @@ def _kernel_kwargs(tuned, device):
         return {}
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     return dict(block_n=tuned["block_n"], num_warps=tuned["num_warps"], num_stages=tuned["num_stages"],
-                target_programs=tuned["programs_per_sm"] * sms)
+                target_programs=tuned["programs_per_sm"] * sms, prefetch=tuned.get("prefetch"),
+                l2_ahead=tuned.get("l2_ahead"))
 
 
 class _Module(torch.nn.Module):
@@ -326,25 +335,28 @@ def section_micro(device, quick, tuned, copy_bw):
     lengths = [4096, 32768, 65536, 100_000, 131072] if not quick else [2048]
     batches = [1, 8, 32] if not quick else [1, 2]
     kw = _kernel_kwargs(tuned, device)
+    if tuned and "ptx_unpack" in tuned:
+        DEFAULT_LAUNCH["ptx_unpack"] = tuned["ptx_unpack"]
     h, g, d = 8, 4, 128
     rk = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
     rows = []
     for b in batches:
         for length in lengths:
-            row = dict(batch=b, length=length, launch=kw or {k: DEFAULT_LAUNCH[k] for k in ("block_n", "num_warps_channel_keys", "num_stages",
-                                                                                             "programs_per_sm")})
+            row = dict(batch=b, length=length, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
+                "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
+                "ptx_unpack")})
             args = decode_args(b, length, device)
             q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
 
             def kernel_only():
                 return segment_attention_triton(*args, **kw)
 
-            def kernel_plain_unpack():  # the same kernel with the compiler's unpacking instead of the inline PTX
-                DEFAULT_LAUNCH["ptx_unpack"] = False
+            def kernel_unpacking(ptx):  # the same launch with the other unpacking (inline PTX or the compiler's)
+                saved, DEFAULT_LAUNCH["ptx_unpack"] = DEFAULT_LAUNCH["ptx_unpack"], ptx
                 try:
-                    return segment_attention_triton(*args, **kw)
+                    return bench_graph(kernel_only)
                 finally:
-                    DEFAULT_LAUNCH["ptx_unpack"] = True
+                    DEFAULT_LAUNCH["ptx_unpack"] = saved
 
             def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
                 q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
@@ -354,7 +366,11 @@ def section_micro(device, quick, tuned, copy_bw):
             nbytes = bytes_read(args)
             row["oscar_kernel_us"] = bench_graph(kernel_only)
             if device.type == "cuda":
-                row["oscar_kernel_plain_unpack_us"] = bench_graph(kernel_plain_unpack)
+                row["oscar_kernel_ptx_unpack_us"] = kernel_unpacking(True)
+                row["oscar_kernel_plain_unpack_us"] = kernel_unpacking(False)
+                # the same launch with v5's loop (each tile's loads awaited in turn, 16-bit meta loads)
+                row["oscar_kernel_v5_loop_us"] = bench_graph(
+                    lambda: segment_attention_triton(*args, **{**kw, "prefetch": False, "l2_ahead": 0}))
             row["oscar_layer_us"] = bench_graph(full_layer)
             row["oscar_layer_eager_us"] = bench(full_layer)
             row["oscar_bytes"] = nbytes
@@ -375,7 +391,9 @@ def section_micro(device, quick, tuned, copy_bw):
                 del k, v
                 free()
             log(f"micro B={b:2d} L={length:6d}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
-                f"(compiler unpack {row.get('oscar_kernel_plain_unpack_us', float('nan')):8.1f} us) "
+                f"(PTX unpack {row.get('oscar_kernel_ptx_unpack_us', float('nan')):8.1f} us, compiler unpack "
+                f"{row.get('oscar_kernel_plain_unpack_us', float('nan')):8.1f} us, v5 loop "
+                f"{row.get('oscar_kernel_v5_loop_us', float('nan')):8.1f} us) "
                 f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
                 f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
                 f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")

@@ -136,13 +136,17 @@ def main():
     variants += [(128, 1, 16, bn, "bf16", False, kb) for bn in (32, 128) for kb in (0, 64)]
     variants += [(128, 1, 64, 64, "bf16", True, 64), (128, 1, 16, 64, "fp16", True, 0), (64, 2, 64, 32, "fp16", False, 64)]
     for d, groups, block_m, block_n, qtype, mask, key_block in variants:
+        prefetch = key_block > 0 and groups == 1 and block_m == 16 and d <= 128  # the launcher's choice
         const = dict(D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False,
-                     DEVICE_LENGTHS=key_block > 0, PTX_UNPACK=True)
+                     DEVICE_LENGTHS=key_block > 0, PTX_UNPACK=True, META_WORDS=prefetch, PREFETCH=prefetch, L2_AHEAD=0)
+        sig = signature(attention._segment_attention_kernel, const, qtype)
+        if prefetch:
+            sig.update(meta_k="*i32", meta_v="*i32")
         try:
-            k = triton.compile(ASTSource(attention._segment_attention_kernel, signature(attention._segment_attention_kernel, const, qtype),
-                                         constexprs=const), target=TARGET)
+            k = triton.compile(ASTSource(attention._segment_attention_kernel, sig, constexprs=const), target=TARGET)
             if True:
-                print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask}: "
+                print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask} "
+                      f"prefetch={prefetch}: "
                       f"{ptxas_report(k)}", flush=True)
         except Exception as e:
             failures += 1

@@ -22,13 +22,15 @@ def fmt(x, digits=1):
 
 
 def micro_table(rows, copy_bw):
-    lines = ["| batch | context | OSCAR kernel (µs) | same, compiler unpacking (µs) | OSCAR layer (µs) | bytes read (MB) | "
-             "achieved GB/s | % of copy BW | BF16 sdpa (µs) | BF16 GB/s | speed-up (layer vs sdpa) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | context | OSCAR kernel (µs) | same, PTX / compiler unpacking (µs) | same, v5 loop (µs) | "
+             "OSCAR layer (µs) | bytes read (MB) | achieved GB/s | % of copy BW | BF16 sdpa (µs) | BF16 GB/s | "
+             "speed-up (layer vs sdpa) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['length']:,} | {fmt(r['oscar_kernel_us'])} | {fmt(r.get('oscar_kernel_plain_unpack_us'))} | "
-            f"{fmt(r['oscar_layer_us'])} | "
+            f"| {r['batch']} | {r['length']:,} | {fmt(r['oscar_kernel_us'])} | "
+            f"{fmt(r.get('oscar_kernel_ptx_unpack_us'))} / {fmt(r.get('oscar_kernel_plain_unpack_us'))} | "
+            f"{fmt(r.get('oscar_kernel_v5_loop_us'))} | {fmt(r['oscar_layer_us'])} | "
             f"{fmt(r['oscar_bytes'] / 1e6)} | {fmt(r['oscar_gbps'], 0)} | {fmt(100 * r['oscar_fraction_of_copy_bw'])} | "
             f"{fmt(r.get('bf16_sdpa_us'))} | {fmt(r.get('bf16_gbps'), 0)} | {fmt(r.get('speedup_vs_bf16'), 2)}× |")
     return "\n".join(lines)
@@ -268,7 +270,7 @@ def main(argv=None):
         *(generate_section(gen, str(gen_path.relative_to(HERE.parent)) if gen_path.is_relative_to(HERE.parent) else str(gen_path))
           if gen else []),
         "The sections below are kernel-level (`eval/bench_gpu.py`). Checks, decode attention, tuning and quantization "
-        "are of the current kernels (v5, `eval/KERNEL_NOTES.md`; each run's command in the list above); the model-level "
+        "are of the current kernels (v6, `eval/KERNEL_NOTES.md`; each run's command in the list above); the model-level "
         "sections (e2e, memory, budget) were measured by earlier calls, with the v4 kernel and the token-wise key layout.",
         "",
         "## Targets",
@@ -299,7 +301,11 @@ def main(argv=None):
     if "tune" in res:
         b = res["tune"]["best"]
         md += ["", f"Best launch parameters of the sweep (geometric mean over its points): BLOCK_N={b['block_n']}, num_warps={b['num_warps']}, "
-               f"num_stages={b['num_stages']}, {b['programs_per_sm']} programs per SM ({len(res['tune']['sweep'])} timings)."
+               f"num_stages={b['num_stages']}, {b['programs_per_sm']} programs per SM"
+               + (f", register prefetch {b['prefetch']}" if "prefetch" in b else "")
+               + (f", L2 prefetch {b['l2_ahead']} tiles ahead" if "l2_ahead" in b else "")
+               + (f", {'inline-PTX' if b['ptx_unpack'] else 'compiler'} unpacking" if "ptx_unpack" in b else "")
+               + f" ({len(res['tune']['sweep'])} timings)."
                + (f" Note: {res['tune']['note']}." if res["tune"].get("note") else "")]
     if res.get("micro"):
         md += ["", "## Decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128)", "",

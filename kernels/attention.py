@@ -136,6 +136,39 @@ def _planes(codes, ASM: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Asks the copy engine (one thread of the program) to bring `nbytes` from `ptr` into L2, and returns at once:
+    `cp.async.bulk.prefetch.L2` (sm_90). A load that comes later then waits for L2, not for DRAM; this keeps bytes in
+    flight without the registers a prefetch into registers costs. The range is widened to whole 16-byte units
+    (the instruction's granule; never beyond the allocation's 512-byte granule); `nbytes` <= 0 does nothing."""
+    addr = ptr.to(tl.uint64, bitcast=True)
+    lo = addr & 0xFFFFFFFFFFFFFFF0
+    size = ((addr - lo).to(tl.int32) + nbytes + 15) & -16
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p, q;
+        .reg .b32 t;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        setp.gt.s32 q, $2, $3;
+        and.pred p, p, q;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.b32 $0, 0;
+        }""",
+        constraints="=r,l,r,r", args=[lo, size, (addr - lo).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, start, n, KEY_BLOCK: tl.constexpr):
+    """L2 prefetch of tokens [start, start + n) of the history: key and value codes (uint8, rows contiguous: the
+    launcher checks), value meta and the key blocks' meta (32-bit words, strides in words)."""
+    _prefetch_l2(base_ck + start * sc_t, n * sc_t)
+    _prefetch_l2(base_cv + start * scv_t, n * scv_t)
+    _prefetch_l2(base_mv + start * sm_t, n * sm_t * 4)
+    _prefetch_l2(base_mk + (start // KEY_BLOCK) * smk_t, tl.cdiv(n, KEY_BLOCK) * smk_t * 4)
+
+
+@triton.jit
 def _scale_min(row, offset, sm_2, ok):
     """The 16-bit scale and minimum of one quantization group for a tile's tokens (`row` per token), in float32."""
     scale = tl.load(row + offset, mask=ok, other=0.0).to(tl.float32)
@@ -144,16 +177,140 @@ def _scale_min(row, offset, sm_2, ok):
 
 
 @triton.jit
-def _channel_plane(s, bias, q, plane, mblk, p: tl.constexpr, smk_g, smk_2, QD: tl.constexpr, UPCAST: tl.constexpr):
+def _channel_key_meta(mblk, smk_g, smk_2, live, QD: tl.constexpr):
+    """The per-channel scales and minima of one channel-wise key block, per quarter plane p, the scale times 4^-p
+    (see `_planes`); `live` False (a prefetch past the range) loads nothing."""
+    ch = tl.arange(0, QD)
+    ok = live + 0 * ch > 0  # a bool per channel (the interpreter rejects scalar-and-vector masks)
+    s0 = tl.load(mblk + ch * smk_g, mask=ok, other=0.0).to(tl.float32)
+    m0 = tl.load(mblk + ch * smk_g + smk_2, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(mblk + (QD + ch) * smk_g, mask=ok, other=0.0).to(tl.float32) * 0.25
+    m1 = tl.load(mblk + (QD + ch) * smk_g + smk_2, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(mblk + (2 * QD + ch) * smk_g, mask=ok, other=0.0).to(tl.float32) * 0.0625
+    m2 = tl.load(mblk + (2 * QD + ch) * smk_g + smk_2, mask=ok, other=0.0).to(tl.float32)
+    s3 = tl.load(mblk + (3 * QD + ch) * smk_g, mask=ok, other=0.0).to(tl.float32) * 0.015625
+    m3 = tl.load(mblk + (3 * QD + ch) * smk_g + smk_2, mask=ok, other=0.0).to(tl.float32)
+    return s0, m0, s1, m1, s2, m2, s3, m3
+
+
+@triton.jit
+def _channel_plane(s, bias, q, plane, scale, minimum, UPCAST: tl.constexpr):
     """Adds quarter plane p (codes·4^p, see `_planes`) of channel-wise keys to the scores `s` and the products of
-    its minima with the query to `bias` [M, D/4] (reduced once per tile, not per plane)."""
-    ch = p * QD + tl.arange(0, QD)
-    scale = tl.load(mblk + ch * smk_g).to(tl.float32) * (0.25 ** p)
-    minimum = tl.load(mblk + ch * smk_g + smk_2).to(tl.float32)
+    its minima with the query to `bias` [M, D/4] (reduced once per tile, not per plane); `scale` carries 4^-p."""
     qf = q.to(tl.float32)
     s += _dot((qf * scale[None, :]).to(tl.float16), tl.trans(plane), UPCAST)
     bias += qf * minimum[None, :]
     return s, bias
+
+
+@triton.jit
+def _word_halves(w):
+    """The two fp16 numbers of 32-bit words holding (scale, minimum) pairs, as float32: one load for both."""
+    scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    minimum = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, minimum
+
+
+@triton.jit
+def _tile_loads(base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mkw, smk_t, smk_g, base_mvw, sm_t,
+                start, hi, KEY_BLOCK: tl.constexpr, QD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Everything one tile of channel-wise keys and one-group values reads from memory: key and value codes, the
+    values' per-token (scale, minimum), the key block's per-channel (scale, minimum) — the meta read as 32-bit words
+    (`base_mkw`, `base_mvw`: int32 views, strides in words), each word one pair; key scales carry 4^-p per plane."""
+    idx = start + tl.arange(0, BLOCK_N)
+    ok = idx < hi
+    dq = tl.arange(0, QD)
+    ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+    cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
+    vs, vm = _word_halves(tl.load(base_mvw + idx * sm_t, mask=ok, other=0))
+    mblk = base_mkw + (start // KEY_BLOCK) * smk_t
+    live = (start + 0 * dq) < hi  # a bool per channel (the interpreter rejects scalar-and-vector masks)
+    s0, m0 = _word_halves(tl.load(mblk + dq * smk_g, mask=live, other=0))
+    s1, m1 = _word_halves(tl.load(mblk + (QD + dq) * smk_g, mask=live, other=0))
+    s2, m2 = _word_halves(tl.load(mblk + (2 * QD + dq) * smk_g, mask=live, other=0))
+    s3, m3 = _word_halves(tl.load(mblk + (3 * QD + dq) * smk_g, mask=live, other=0))
+    return ck, cv, vs, vm, s0, m0, s1 * 0.25, m1, s2 * 0.0625, m2, s3 * 0.015625, m3
+
+
+@triton.jit
+def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """Scores [M, BLOCK_N] of one tile of channel-wise keys: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c."""
+    QD: tl.constexpr = ck.shape[1]
+    k0, k1, k2, k3 = _planes(ck, ASM)
+    s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
+    bias = tl.zeros((q0.shape[0], QD), tl.float32)
+    s, bias = _channel_plane(s, bias, q0, k0, ks0, km0, UPCAST)
+    s, bias = _channel_plane(s, bias, q1, k1, ks1, km1, UPCAST)
+    s, bias = _channel_plane(s, bias, q2, k2, ks2, km2, UPCAST)
+    s, bias = _channel_plane(s, bias, q3, k3, ks3, km3, UPCAST)
+    return s + tl.sum(bias, axis=1)[:, None]
+
+
+@triton.jit
+def _int2_range_words(
+    q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+    ck_ptr, sc_b, sc_h, sc_t, sc_d,
+    cv_ptr, scv_b, scv_h, scv_t, scv_d,
+    mk_ptr, smk_b, smk_h, smk_t, smk_g,
+    mv_ptr, sm_b, sm_h, sm_t,
+    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n,
+    D: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    UPCAST: tl.constexpr, ASM: tl.constexpr, REGISTER_PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr,
+):
+    """`_int2_range` for the default layout (channel-wise keys, one value group per token), the meta read as 32-bit
+    words (`mk_ptr`, `mv_ptr`: int32 views, one (scale, minimum) pair per word, strides in words), and bytes kept in
+    flight while a tile computes (few programs fit on an SM, so their waits do not overlap): `REGISTER_PREFETCH`
+    loads the next tile into registers before this tile's arithmetic; `L2_AHEAD` > 0 asks for the tile that many
+    steps ahead in L2 and leaves the loads in place, where the compiler stages the packed bytes (not the unpacked
+    fp16 planes) through shared memory for the MMAs."""
+    QD: tl.constexpr = D // 4
+    base_ck = ck_ptr + b * sc_b + h * sc_h
+    base_cv = cv_ptr + b * scv_b + h * scv_h
+    base_mk = mk_ptr + b * smk_b + h * smk_h
+    base_mv = mv_ptr + b * sm_b + h * sm_h
+    acc1 = acc1 * 4.0
+    acc2 = acc2 * 16.0
+    acc3 = acc3 * 64.0
+    if REGISTER_PREFETCH:
+        ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _tile_loads(
+            base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t, lo, hi, KEY_BLOCK, QD, BLOCK_N)
+    if L2_AHEAD > 0:  # the first L2_AHEAD tiles now, then one tile L2_AHEAD ahead per step
+        _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, lo,
+                           tl.minimum(hi - lo, L2_AHEAD * BLOCK_N), KEY_BLOCK)
+    for start in range(lo, hi, BLOCK_N):
+        if L2_AHEAD > 0:
+            ahead = start + L2_AHEAD * BLOCK_N
+            _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, ahead,
+                               tl.minimum(hi - ahead, BLOCK_N), KEY_BLOCK)
+        if REGISTER_PREFETCH:
+            n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3 = _tile_loads(
+                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t,
+                start + BLOCK_N, hi, KEY_BLOCK, QD, BLOCK_N)
+        else:
+            ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _tile_loads(
+                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t,
+                start, hi, KEY_BLOCK, QD, BLOCK_N)
+        idx = start + tl.arange(0, BLOCK_N)
+        ok = idx < hi
+        s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+        kpos = pos_offset + idx
+        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if HAS_MASK:
+            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
+            valid = valid & (km != 0)[None, :]
+        p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3)
+        v0, v1, v2, v3 = _planes(cv, ASM)
+        ps = (p * vs[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
+        bias = tl.sum(p * vm[None, :], axis=1)[:, None]
+        acc0 += _dot(ps, v0, UPCAST) + bias
+        acc1 += _dot(ps, v1, UPCAST) + bias * 4.0
+        acc2 += _dot(ps, v2, UPCAST) + bias * 16.0
+        acc3 += _dot(ps, v3, UPCAST) + bias * 64.0
+        if REGISTER_PREFETCH:
+            ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = (
+                n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3)
+    return m_i, l_i, acc0, acc1 * 0.25, acc2 * 0.0625, acc3 * 0.015625
 
 
 @triton.jit
@@ -189,20 +346,15 @@ def _int2_range(
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-        k0, k1, k2, k3 = _planes(ck, ASM)
         if KEY_BLOCK > 0:
             # Channel-wise keys: the tile lies in one block (BLOCK_N divides KEY_BLOCK), whose per-channel scale s_c
-            # and minimum m_c fold into the query: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c. (Tiles spanning two
-            # blocks, with two scaled queries, measured slower on the H200: 169 vs 146 us at 100K, batch 1.)
-            mblk = base_mk + (start // KEY_BLOCK) * smk_t
-            s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
-            bias = tl.zeros((q0.shape[0], QD), tl.float32)
-            s, bias = _channel_plane(s, bias, q0, k0, mblk, 0, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q1, k1, mblk, 1, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q2, k2, mblk, 2, smk_g, smk_2, QD, UPCAST)
-            s, bias = _channel_plane(s, bias, q3, k3, mblk, 3, smk_g, smk_2, QD, UPCAST)
-            s += tl.sum(bias, axis=1)[:, None]
+            # and minimum m_c fold into the query. (Tiles spanning two blocks, with two scaled queries, measured
+            # slower on the H200: 169 vs 146 us at 100K, batch 1.)
+            ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _channel_key_meta(
+                base_mk + (start // KEY_BLOCK) * smk_t, smk_g, smk_2, start < hi, QD)
+            s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
         else:
+            k0, k1, k2, k3 = _planes(ck, ASM)
             mrow = base_mk + idx * smk_t
             ks0, km0 = _scale_min(mrow, 0, smk_2, ok)
             s = _dot(q0, tl.trans(k0), UPCAST) * ks0[None, :] + qs0[:, None] * km0[None, :]
@@ -263,6 +415,7 @@ def _segment_attention_kernel(
     scale, len_ptr, ring_size,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
+    META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -318,12 +471,20 @@ def _segment_attention_kernel(
         qs1 = tl.sum(h1.to(tl.float32), axis=1)
         qs2 = tl.sum(h2.to(tl.float32), axis=1)
         qs3 = tl.sum(h3.to(tl.float32), axis=1)
-        m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
-            h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-            codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d, meta_k, smk_b, smk_h, smk_t, smk_g, smk_2,
-            meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
-            b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST,
-            PTX_UNPACK)
+        if META_WORDS:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range_words(
+                h0, h1, h2, h3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
+                meta_k, smk_b, smk_h, smk_t, smk_g, meta_v, sm_b, sm_h, sm_t,
+                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, D, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST, PTX_UNPACK,
+                PREFETCH, L2_AHEAD)
+        else:
+            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
+                h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
+                meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
+                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST,
+                PTX_UNPACK)
     elif split == recent_split:
         # slots [ring_lo, ring_lo + n_recent) modulo ring_size: at most two contiguous pieces (one without a ring)
         offset = n_sink + n_hist - ring_lo
@@ -395,14 +556,21 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
 _SMS: dict = {}
 # Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md);
 # `ptx_unpack`: codes unpacked by inline PTX (`_planes`; never in the interpreter, which cannot run PTX).
-# With channel-wise keys (the default layout: 64-token tiles) 2 warps per decode program measured best (tune section
-# of results/gpu/bench_gpu.json: 120 vs 144 us at B=1, 100K; 294 vs 353 us at B=8, 32K); token-wise keys and
-# multi-token chunks keep v4's 4.
-DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=2, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True)
-# a benchmark's tuned parameters for a whole process (JSON, e.g. '{"num_warps": 2}'): eval/gpu_check.sh passes the
-# tune section's choice on to the generate benchmark this way
+# Decode tiles of the default layout (channel-wise keys, one value group): v6's sweep (results/gpu/bench_gpu.json,
+# 30 launches x 3 points) found 4 warps, 12 programs per SM, loads left in the loop with the tiles 2 steps ahead
+# asked for in L2 (`l2_ahead`), inline-PTX unpacking best: 78.8 / 185.0 / 2855 us at (B=1, 100K) / (8, 32K) /
+# (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
+# keep v4's plain loop with 4 warps.
+DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
+                      ptx_unpack=True, prefetch=False, l2_ahead=2)
+# launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
+
+
+def _pairs_as_words(meta: torch.Tensor) -> bool:
+    """Whether every (scale, minimum) pair of a 16-bit meta tensor `[..., 2]` can be read as one aligned 32-bit word."""
+    return meta.element_size() == 2 and meta.stride(-1) == 1 and all(st % 2 == 0 for st in meta.stride()[:-1]) \
+        and meta.data_ptr() % 4 == 0
 
 
 def _sm_count(device: torch.device) -> int:
@@ -417,31 +585,33 @@ def segment_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block: int = 0,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    target_programs: int | None = None,
+    target_programs: int | None = None, prefetch: bool | None = None, l2_ahead: int | None = None,
 ):
     """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
     return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
                    extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
-                   queries_per_group, scale, key_block, block_n, num_warps, num_stages, target_programs)
+                   queries_per_group, scale, key_block, block_n, num_warps, num_stages, target_programs, prefetch,
+                   l2_ahead)
 
 
 def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
     queries_per_group, scale, key_block: int = 0, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, target_programs: int | None = None,
+    num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
+    l2_ahead: int | None = None,
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
     once), so the launch is the same every step. Returns `out [B, H, M, d]` q.dtype."""
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
                      sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_block,
-                     block_n, num_warps, num_stages, target_programs)
+                     block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_block, block_n, num_warps,
-            num_stages, target_programs):
+            num_stages, target_programs, prefetch, l2_ahead):
     b, h, m, d = q.shape
     problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3], key_block)
     if problem:
@@ -451,7 +621,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     block_n = block_n or (DEFAULT_LAUNCH["block_n"] if block_m == 16 and d <= 128 else 64)
     if key_block:
         block_n = min(block_n, key_block)  # a key tile never straddles two channel-wise blocks
-    # 2 warps suit decode tiles (16 query rows); 64-row chunk tiles need 4 (2 spill ~9 KB per thread in ptxas)
+    # decode tiles (16 query rows) of channel-wise keys have their own measured warp count (v5: 2, v6: 4)
     num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_block and block_m == 16 else "num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
@@ -471,6 +641,21 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     groups = hist_meta_v.shape[3]
+    # Decode tiles of the default layout take `_int2_range_words` (each (scale, minimum) pair read as one 32-bit
+    # word), with the next tile prefetched into registers (`prefetch`) or `l2_ahead` tiles ahead into L2 (sm_90's bulk
+    # prefetch; not in the interpreter). The register prefetch spills with 64-row chunk tiles or head_dim 256
+    # (ptxas, eval/compile_kernels.py): those keep the plain loop.
+    prefetch = bool(DEFAULT_LAUNCH["prefetch"] if prefetch is None else prefetch)
+    l2_ahead = int(DEFAULT_LAUNCH["l2_ahead"] if l2_ahead is None else l2_ahead)
+    meta_words = key_block > 0 and groups == 1 and block_m == 16 and d <= 128 and (prefetch or l2_ahead > 0) \
+        and _pairs_as_words(hist_meta_k) and _pairs_as_words(hist_meta_v)
+    if meta_words:
+        hist_meta_k, hist_meta_v = hist_meta_k.view(torch.int32), hist_meta_v.view(torch.int32)
+    else:
+        prefetch, l2_ahead = False, 0
+    rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
+    if INTERPRET or not rows_contiguous or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9):
+        l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
     _segment_attention_kernel[(b * h, m_tiles, n_splits)](
         q, *q.stride(),
         partial, *partial.stride(),
@@ -489,6 +674,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
         D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
+        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)

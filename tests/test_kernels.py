@@ -154,6 +154,17 @@ def test_segment_attention_kernel_matches_the_twin(case):
             assert not valid.all()  # this case exists to check the empty rows
 
 
+@pytest.mark.parametrize("prefetch,l2_ahead", [(False, 0), (True, 0), (False, 2)])
+def test_each_history_loop_of_the_default_layout_gives_the_same_attention(prefetch, l2_ahead):
+    # the plain loop (16-bit meta), the register-prefetching loop and the loop that leaves loads in place (L2 hint
+    # off in the interpreter) over (scale, minimum) words: one answer, several splits and a partial last tile
+    args, (ref, ref_lse) = random_segments(t=1, g=4, d=128, nh=448, key_block=64, dtype=torch.bfloat16, seed=5)
+    out, lse = segment_attention_triton(*args, target_programs=3, prefetch=prefetch, l2_ahead=l2_ahead)
+    lowp_err = (_lowp_reference(args) - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 3 * lowp_err + 1e-2
+    assert torch.allclose(lse.double(), ref_lse, atol=5e-2)
+
+
 def test_many_splits_merge_exactly():
     args, (ref, ref_lse) = random_segments(t=1, g=4, d=64, nh=300, dtype=torch.bfloat16, seed=3)
     one, lse1 = segment_attention_triton(*args, target_programs=1)
