@@ -274,7 +274,9 @@ def layout_section() -> list[str]:
     out += bits + [""]
     niah_rows = []
     for model in models():
-        for stage, label in (("niah", "1 needle"), ("niah_python", "1 needle, code haystack"), ("niah4", "4 needles")):
+        for stage, label in (("niah", "1 needle"), ("niah_python", "1 needle, code haystack"),
+                             ("niah_shakespeare", "1 needle, Shakespeare haystack"), ("niah4", "4 needles"),
+                             ("niah4_python", "4 needles, code haystack")):
             data = load(model, stage)
             if data:
                 niah_rows.append((model, label, data))
