@@ -429,8 +429,19 @@ def section_quant(device, quick):
              lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, KEY_BLOCK), meta_k.numel() * 2)):
         us = bench_graph(fn)
         moved = x.numel() * 2 + codes.numel() + meta_bytes
-        rows.append(dict(kind=kind, tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9))
-        log(f"quant {kind}, {n} tokens x 8 heads: {us:.1f} us ({moved / (us * 1e-6) / 1e9:.0f} GB/s)")
+        row = dict(kind=kind, tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9)
+        if kind.startswith("prefill values") and device.type == "cuda":
+            # the token-wise kernel with 1 row tile per program (v5) and with 8, in the same run
+            from oscar_hf.kernels.quantize import QUANTIZE_LAUNCH
+
+            saved = dict(QUANTIZE_LAUNCH)
+            for tiles in (1, 8):
+                QUANTIZE_LAUNCH.update(tiles_per_program=tiles)
+                row[f"us_{tiles}_tiles_per_program"] = bench_graph(fn)
+            QUANTIZE_LAUNCH.update(saved)
+        rows.append(row)
+        log(f"quant {kind}, {n} tokens x 8 heads: {us:.1f} us ({moved / (us * 1e-6) / 1e9:.0f} GB/s)"
+            + "".join(f"; {k[3:]} {v:.1f} us" for k, v in row.items() if k.startswith("us_")))
     return rows
 
 

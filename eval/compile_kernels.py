@@ -156,13 +156,13 @@ def main():
     qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
     for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
         const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
-                     META=int(meta_bf16), UPCAST=False, SORT_BITS=16)
+                     META=int(meta_bf16), UPCAST=False, SORT_BITS=16, TILES=8)
         qtype = "bf16" if bf16 else "fp16"
         try:
             k = triton.compile(ASTSource(quantize._quantize_pack_kernel, signature(quantize._quantize_pack_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
             if True:
-                print(f"quantize d={d} rotate={rotate}: {ptxas_report(k)}")
+                print(f"quantize d={d} rotate={rotate} clip={clip}: {ptxas_report(k)}")
         except Exception as e:
             failures += 1
             print(f"quantize d={d} G={groups} rotate={rotate} clip={clip} bf16={bf16}: FAILED {str(e)[-400:]}")

@@ -114,7 +114,9 @@ def _order_statistic_abs(x, k, STORE_BF16: tl.constexpr, SORT_BITS: tl.constexpr
     Non-negative floats order like their bit patterns, so the threshold is the smallest pattern t with
     #{|x| <= t} >= k + 1, found by bisection over the patterns: one compare-and-count pass per bit. Rows stored in
     16 bits (bf16 / fp16, as the cache's are, rotated or not) have 15-bit patterns: 15 passes instead of a bitonic
-    sort's ~28 compare-and-swap stages with their shuffles; float32 rows take 31."""
+    sort's ~28 compare-and-swap stages with their shuffles; float32 rows take 31. (A four-way search, 8 passes with
+    three counts packed into one reduction each, measured slower on the H200: the compares cost, not the
+    reductions; eval/KERNEL_NOTES.md.)"""
     a = tl.abs(x)
     if SORT_BITS == 16:
         if STORE_BF16:
@@ -148,45 +150,52 @@ def _quantize_pack_kernel(
     clip_index,
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr,
-    UPCAST: tl.constexpr, SORT_BITS: tl.constexpr,
+    UPCAST: tl.constexpr, SORT_BITS: tl.constexpr, TILES: tl.constexpr,
 ):
+    # One program per TILES consecutive tiles of BLOCK_T rows of one (batch, KV head): the rotation is read once per
+    # program, not once per tile.
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
-    row_ok = rows < n_rows
     if ROTATE:
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
     else:
         r = 0.0
-    x = _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
-    if CLIP:
-        tau = _order_statistic_abs(x, clip_index, STORE_BF16, SORT_BITS)
-        x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
     GS: tl.constexpr = D // GROUPS
-    xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
-    lo = tl.min(xg, axis=2)
-    hi = tl.max(xg, axis=2)
-    scale, minimum = _scale_minimum(lo, hi, META)
-    s = scale.to(tl.float32)
-    m = minimum.to(tl.float32)
-    codes = _rint((xg - m[:, :, None]) / s[:, :, None])
-    codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
-    codes = tl.reshape(codes, (BLOCK_T, 4, D // 4))
     shifts = (tl.arange(0, 4) * 2)[None, :, None]
-    packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
     qcols = tl.arange(0, D // 4)
-    tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
-             packed, mask=row_ok[:, None])
     g = tl.arange(0, GROUPS)
-    meta_base = meta_ptr + b * sm_b + h * sm_h + (start + rows)[:, None] * sm_t + g[None, :] * sm_g
-    tl.store(meta_base, scale, mask=row_ok[:, None])
-    tl.store(meta_base + sm_2, minimum, mask=row_ok[:, None])
+    for tile in range(TILES):
+        rows = (pid_t * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < n_rows
+        x = _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
+        if CLIP:
+            tau = _order_statistic_abs(x, clip_index, STORE_BF16, SORT_BITS)
+            x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+        xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
+        lo = tl.min(xg, axis=2)
+        hi = tl.max(xg, axis=2)
+        scale, minimum = _scale_minimum(lo, hi, META)
+        s = scale.to(tl.float32)
+        m = minimum.to(tl.float32)
+        codes = _rint((xg - m[:, :, None]) / s[:, :, None])
+        codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+        codes = tl.reshape(codes, (BLOCK_T, 4, D // 4))
+        packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
+        tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
+                 packed, mask=row_ok[:, None])
+        meta_base = meta_ptr + b * sm_b + h * sm_h + (start + rows)[:, None] * sm_t + g[None, :] * sm_g
+        tl.store(meta_base, scale, mask=row_ok[:, None])
+        tl.store(meta_base + sm_2, minimum, mask=row_ok[:, None])
 
 
 _META_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# Token-wise launches: how many row tiles one program quantizes (eval/bench_gpu.py's quant section times 1 and 8:
+# 714 vs 635 us for 100K tokens x 8 heads on the H200).
+QUANTIZE_LAUNCH = dict(tiles_per_program=8)
+_MIN_PROGRAMS = 512  # ~4 per SM on an H200: fewer tiles per program rather than an idle GPU
 
 
 def quantize_pack_triton(
@@ -197,6 +206,7 @@ def quantize_pack_triton(
     meta: torch.Tensor,
     start: int,
     block: int = 0,
+    tiles_per_program: int | None = None,
 ) -> None:
     """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
     `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`block == 0`, meta
@@ -221,7 +231,10 @@ def quantize_pack_triton(
     groups = meta.shape[3]
     clip_index = min(int(clip_ratio * d + 1e-9), d)
     block_t = 16 if d >= 256 else 32
-    grid = (triton.cdiv(n, block_t), b * h)
+    # long prefills: several tiles per program (the rotation read once for all), while keeping >= ~4 programs per SM
+    tiles = QUANTIZE_LAUNCH["tiles_per_program"] if tiles_per_program is None else tiles_per_program
+    tiles = max(1, min(tiles, triton.cdiv(n, block_t) * b * h // _MIN_PROGRAMS))
+    grid = (triton.cdiv(n, block_t * tiles), b * h)
     _quantize_pack_kernel[grid](
         x, rot, codes, meta,
         n, h, start,
@@ -232,4 +245,5 @@ def quantize_pack_triton(
         META=_META_CODES[meta.dtype], UPCAST=upcast,
         # rows are 16-bit values (stored so, or rounded so after the rotation): 16-bit patterns for the clip search
         SORT_BITS=16 if rotation is not None or x.dtype in (torch.bfloat16, torch.float16) else 32,
+        TILES=tiles,
     )

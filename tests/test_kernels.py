@@ -77,19 +77,20 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_clip_threshold_by_bisection_equals_the_sorted_value(dtype):
     """The quantize kernel's clip threshold (bisection over bit patterns) is exactly sort(|x|)[k], ties and zeros
-    included, for every k."""
+    included, for every k (head_dim 32) and for a few k at head_dim 256."""
     g = torch.Generator().manual_seed(7)
-    d = 32
-    x = torch.randn(8, d, generator=g) * torch.logspace(-6, 6, 8)[:, None]
-    x[0, :10] = 0.0  # zeros
-    x[1] = torch.randint(-3, 4, (d,), generator=g).float()  # many ties
-    x[2, ::2] = -x[2, 1::2]  # equal magnitudes of both signs
-    x = x.to(dtype)
-    reference = x.float().abs().sort(dim=1).values
-    for k in range(d):
-        out = torch.empty(8)
-        _order_statistic_rows[(1,)](x, out, k, D=d, BF16=dtype == torch.bfloat16, BITS=32 if dtype == torch.float32 else 16)
-        assert torch.equal(out, reference[:, k]), k
+    for d, ks in ((32, range(32)), (256, (0, 1, 127, 200, 255))):
+        x = torch.randn(8, d, generator=g) * torch.logspace(-6, 6, 8)[:, None]
+        x[0, :10] = 0.0  # zeros
+        x[1] = torch.randint(-3, 4, (d,), generator=g).float()  # many ties
+        x[2, ::2] = -x[2, 1::2]  # equal magnitudes of both signs
+        x = x.to(dtype)
+        reference = x.float().abs().sort(dim=1).values
+        for k in ks:
+            out = torch.empty(8)
+            _order_statistic_rows[(1,)](x, out, k, D=d, BF16=dtype == torch.bfloat16,
+                                        BITS=32 if dtype == torch.float32 else 16)
+            assert torch.equal(out, reference[:, k]), (d, k)
 
 
 @pytest.mark.parametrize("d,block,rotate,dtype,meta_dtype", [
