@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 
 from conftest import char_tokenizer, tiny_model
-from oscar_hf.cli import main
+from oscar_hf.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_eval_stages_and_results_page(tmp_path):
+def test_eval_stages_and_results_page(tmp_path, monkeypatch):
+    def main(args):  # as from the command line: the result files record the command
+        monkeypatch.setattr(sys, "argv", ["oscar-hf", *args])
+        return cli_main(args)
+
     model_dir = tmp_path / "tiny"
     tiny_model("llama", attn="sdpa").save_pretrained(model_dir)
     char_tokenizer().save_pretrained(model_dir)
@@ -45,6 +49,10 @@ def test_eval_stages_and_results_page(tmp_path):
     merged = json.loads((out / "tiny" / "niah.json").read_text())
     trials = sorted((r["method"], r["depth"]) for r in merged["results"] if r["length"] == 400)
     assert trials == [("bf16", 0.3), ("bf16", 0.5), ("oscar", 0.5)]
+    # each carried cell names the run that measured it, however many files ago (not the file it was last read from)
+    provenance = merged["meta"]["carried_over"]["cells"]
+    assert "--lengths 500" in provenance["naive-int2@500"]["command"]
+    assert "--lengths 400" in provenance["oscar@400"]["command"] and "bf16,oscar" in provenance["oscar@400"]["command"]
     page = tmp_path / "page"
     subprocess.run([sys.executable, str(REPO / "eval" / "make_results.py"), "--results", str(out), "--output", str(page)],
                    check=True, cwd=REPO)

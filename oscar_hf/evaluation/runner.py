@@ -233,10 +233,8 @@ class Session:
                 records = kept + records
                 meta["methods"] = {**{r["method"]: old_methods[r["method"]] for r in kept if r["method"] in old_methods},
                                    **meta["methods"]}
-                meta["carried_over"] = {"cells": sorted({f"{r['method']}@{r['length']}" for r in kept}),
-                                        "date": old["meta"].get("date"), "command": old["meta"].get("command"),
-                                        "versions": old["meta"].get("versions"),
-                                        "earlier": old["meta"].get("carried_over")}
+                meta["carried_over"] = {"cells": {cell: _cell_provenance(old["meta"], cell)
+                                                  for cell in sorted({_cell(r) for r in kept})}}
                 data = meta.get("data", {})
                 if "lengths" in data:
                     data["lengths"] = sorted({r["length"] for r in records})
@@ -287,9 +285,39 @@ def _carried_over(old: dict, measured: set[str]) -> dict:
     if not keep:
         return {}
     meta = old["meta"]
+    earlier = meta.get("carried_over") or {}  # methods the old file had itself carried over keep their own run
     return {"results": {n: results[n] for n in keep}, "methods": {n: methods[n] for n in keep if n in methods},
-            "provenance": {n: {"date": meta.get("date"), "command": meta.get("command"),
-                               "versions": meta.get("versions")} for n in keep}}
+            "provenance": {n: earlier.get(n) or _provenance(meta) for n in keep}}
+
+
+def _provenance(meta: dict) -> dict:
+    """The run that wrote a result file with this meta."""
+    return {"date": meta.get("date"), "command": meta.get("command"), "versions": meta.get("versions")}
+
+
+def _cell(record: dict) -> str:
+    return f"{record['method']}@{record['length']}"
+
+
+def _cell_provenance(meta: dict, cell: str) -> dict:
+    """The run that measured `cell` ("method@length") of a per-trial file with this meta: the run that wrote the
+    file, unless the file carried the cell over from an earlier one. `carried_over` is per cell
+    ({"cells": {cell: provenance}}); files written before that nest it ({"cells": [...], <the earlier file's
+    run>, "earlier": <that file's carried_over>}), resolved here by following the cell down the chain."""
+    level = meta.get("carried_over")
+    if not level:
+        return _provenance(meta)
+    if isinstance(level.get("cells"), dict):
+        return level["cells"].get(cell) or _provenance(meta)
+    if cell not in level.get("cells", []):
+        return _provenance(meta)
+    while True:
+        earlier = level.get("earlier") or {}
+        if isinstance(earlier.get("cells"), dict) and cell in earlier["cells"]:
+            return earlier["cells"][cell]
+        if cell not in (earlier.get("cells") or []):
+            return _provenance(level)
+        level = earlier
 
 
 def _trial_key(record: dict) -> tuple:
