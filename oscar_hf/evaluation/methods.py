@@ -240,6 +240,8 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
          base.replace(choose_key_basis=False, key_target="identity")),
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
          base.replace(choose_key_basis=False, key_target="query")),
+        ("oscar-values-g128", "the default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
+         "2.375 like head_dim 128)", base.replace(group_size=128)),
         # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
         ("oscar-diag-keys-b32", "diagnostic: the default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
          base.replace(demotion_block=32)),
