@@ -71,11 +71,7 @@ def _bf16_range(
         k3 = tl.load(base_k + rows + (dq[None, :] + 3 * QD) * s_d, mask=ok[:, None], other=0.0)
         s = (_dot(q0, tl.trans(k0), UPCAST) + _dot(q1, tl.trans(k1), UPCAST)
              + _dot(q2, tl.trans(k2), UPCAST) + _dot(q3, tl.trans(k3), UPCAST))
-        kpos = pos_offset + idx
-        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_MASK:
-            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
-            valid = valid & (km != 0)[None, :]
+        valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         pv = p.to(k0.dtype)
         v0 = tl.load(base_v + rows + (dq[None, :] + 0 * QD) * s_d, mask=ok[:, None], other=0.0)
@@ -233,6 +229,29 @@ def _tile_loads(base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mkw, smk_t, smk
 
 
 @triton.jit
+def _valid_keys(ok, kpos, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK: tl.constexpr):
+    """[M, BLOCK_N]: key positions `kpos` (in range: `ok`) each query row at `qpos` may see (causal, key mask)."""
+    valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
+    if HAS_MASK:
+        km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
+        valid = valid & (km != 0)[None, :]
+    return valid
+
+
+@triton.jit
+def _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPCAST: tl.constexpr):
+    """acc_p += Σ_j p_j (s_j c_j + m_j) for the quarter planes v_p of one-group values (codes·4^p, see `_planes`:
+    the accumulators run scaled by 4^p, so the minima's term is too)."""
+    ps = (p * vs[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
+    bias = tl.sum(p * vm[None, :], axis=1)[:, None]
+    acc0 += _dot(ps, v0, UPCAST) + bias
+    acc1 += _dot(ps, v1, UPCAST) + bias * 4.0
+    acc2 += _dot(ps, v2, UPCAST) + bias * 16.0
+    acc3 += _dot(ps, v3, UPCAST) + bias * 64.0
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
                     UPCAST: tl.constexpr, ASM: tl.constexpr):
     """Scores [M, BLOCK_N] of one tile of channel-wise keys: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c."""
@@ -294,19 +313,10 @@ def _int2_range_words(
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
         s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
-        kpos = pos_offset + idx
-        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_MASK:
-            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
-            valid = valid & (km != 0)[None, :]
+        valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         v0, v1, v2, v3 = _planes(cv, ASM)
-        ps = (p * vs[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
-        bias = tl.sum(p * vm[None, :], axis=1)[:, None]
-        acc0 += _dot(ps, v0, UPCAST) + bias
-        acc1 += _dot(ps, v1, UPCAST) + bias * 4.0
-        acc2 += _dot(ps, v2, UPCAST) + bias * 16.0
-        acc3 += _dot(ps, v3, UPCAST) + bias * 64.0
+        acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPCAST)
         if REGISTER_PREFETCH:
             ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = (
                 n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3)
@@ -368,23 +378,14 @@ def _int2_range(
                 s += _dot(r1, tl.trans(k1), UPCAST) * ks1[None, :] + qs1[:, None] * km1[None, :]
                 s += _dot(r2, tl.trans(k2), UPCAST) * ks2[None, :] + qs2[:, None] * km2[None, :]
                 s += _dot(r3, tl.trans(k3), UPCAST) * ks3[None, :] + qs3[:, None] * km3[None, :]
-        kpos = pos_offset + idx
-        valid = ok[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_MASK:
-            km = tl.load(mask_ptr + b * smask_b + kpos * smask_n, mask=ok, other=0)
-            valid = valid & (km != 0)[None, :]
+        valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
         v0, v1, v2, v3 = _planes(cv, ASM)
         vrow = base_mv + idx * sm_t
         vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
-            ps = (p * vs0[None, :]).to(tl.float16)  # weights p·s <= 1: fp16 is 8x finer than bf16
-            bias = tl.sum(p * vm0[None, :], axis=1)[:, None]
-            acc0 += _dot(ps, v0, UPCAST) + bias
-            acc1 += _dot(ps, v1, UPCAST) + bias * 4.0
-            acc2 += _dot(ps, v2, UPCAST) + bias * 16.0
-            acc3 += _dot(ps, v3, UPCAST) + bias * 64.0
+            acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs0, vm0, acc0, acc1, acc2, acc3, UPCAST)
         else:
             vs1, vm1 = _scale_min(vrow, G1 * sm_g, sm_2, ok)
             vs2, vm2 = _scale_min(vrow, G2 * sm_g, sm_2, ok)
@@ -554,6 +555,7 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
 
 
 _SMS: dict = {}
+_BULK_PREFETCH: dict = {}
 # Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md);
 # `ptx_unpack`: codes unpacked by inline PTX (`_planes`; never in the interpreter, which cannot run PTX).
 # Decode tiles of the default layout (channel-wise keys, one value group): v6's sweep (results/gpu/bench_gpu.json,
@@ -571,6 +573,16 @@ def _pairs_as_words(meta: torch.Tensor) -> bool:
     """Whether every (scale, minimum) pair of a 16-bit meta tensor `[..., 2]` can be read as one aligned 32-bit word."""
     return meta.element_size() == 2 and meta.stride(-1) == 1 and all(st % 2 == 0 for st in meta.stride()[:-1]) \
         and meta.data_ptr() % 4 == 0
+
+
+def _has_bulk_prefetch(device: torch.device) -> bool:
+    """sm_90+ (`cp.async.bulk.prefetch.L2`); on the CPU (compile_kernels.py's no-GPU profile) the launch is kept as
+    asked. Cached per device: this runs on every launch."""
+    if device.type != "cuda":
+        return True
+    if device not in _BULK_PREFETCH:
+        _BULK_PREFETCH[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _BULK_PREFETCH[device]
 
 
 def _sm_count(device: torch.device) -> int:
@@ -654,7 +666,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     else:
         prefetch, l2_ahead = False, 0
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
-    if INTERPRET or not rows_contiguous or (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9):
+    if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
     _segment_attention_kernel[(b * h, m_tiles, n_splits)](
         q, *q.stride(),
