@@ -15,7 +15,7 @@ from test_attention import random_segments
 
 kernels = pytest.importorskip("oscar_hf.kernels", reason="Triton is not installed")
 from oscar_hf.kernels.attention import segment_attention_triton  # noqa: E402
-from oscar_hf.kernels.quantize import _order_statistic_abs  # noqa: E402
+from oscar_hf.kernels.quantize import _order_statistic_abs, quantize_pack_triton  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -53,15 +53,21 @@ def _poisoned(b, h, cap, d, groups, meta_dtype=torch.float16):
     (128, 2, 0.96, True, torch.float16),
     (64, 4, 0.8, False, torch.float16),
 ])
-def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype):
+@pytest.mark.parametrize("tiles_per_program", [None, 2])
+def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, tiles_per_program):
+    # tiles_per_program=2: several row tiles per program (long prefills on the GPU); 100 rows make two programs of
+    # two 32-row tiles (16 at head_dim 256), the last tile ragged
     g = torch.Generator().manual_seed(d + groups)
-    b, h, n, start, cap = 2, 2, 37, 5, 50
+    b, h, n, start, cap = (2, 2, 37, 5, 50) if tiles_per_program is None else (1, 2, 100, 5, 110)
     x = (torch.randn(b, h, n, d, generator=g) * 3).to(dtype)
     rotation = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].to(dtype) if rotate else None
     ref_codes, ref_meta = _poisoned(b, h, cap, d, groups)
     quantize_pack_reference(x, rotation, ratio, ref_codes, ref_meta, start)
     codes, meta = _poisoned(b, h, cap, d, groups)
-    torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, 0)
+    if tiles_per_program is None:
+        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, 0)
+    else:
+        quantize_pack_triton(x, rotation, ratio, codes, meta, start, 0, tiles_per_program=tiles_per_program)
     # rows outside [start, start + n) are untouched, rows inside are all written
     assert (codes[:, :, :start] == 0xAA).all() and (codes[:, :, start + n:] == 0xAA).all()
     assert torch.isnan(meta[:, :, start + n:]).all() and not torch.isnan(meta[:, :, start : start + n]).any()
