@@ -1,4 +1,4 @@
-"""`oscar-hf` command line: calibrate | generate | demo | eval | report | lm-eval.
+"""`oscar-hf` command line: calibrate | generate | demo | export | eval | report | lm-eval.
 
 Models are given as a local folder, a Hub repo id, or the name of a model that installs from PyPI (`smollm2-135m`,
 also written `offline:smollm2-135m`; `oscar-hf demo` uses it). A mistake in what was asked for (a missing path, a bad
@@ -264,6 +264,21 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
+def cmd_export(args) -> int:
+    from .export import export_sglang_oscar
+    from .rotations_io import OscarRotations
+
+    _check_rotation_path(args.rotations)
+    rotations = OscarRotations.from_pretrained(args.rotations)
+    config = load_config(args.config) if args.config else None
+    paths = export_sglang_oscar(rotations, args.output, config=config, key_clip=args.key_clip,
+                                value_clip=args.value_clip)
+    for role, path in paths.items():
+        print(f"wrote {role}: {path}")
+    print(f"serve with: set -a; . {paths['env']}; set +a  (then launch the OSCAR SGLang fork)")
+    return 0
+
+
 def cmd_demo(args) -> int:
     """The main job: calibrate the bundled model, save/load rotations, generate, compare with BF16."""
     from . import assets
@@ -396,6 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=8000, help="prefill length of the memory measurement")
     p.add_argument("--ppl-sequences", type=int, default=3, help="2048-token sequences in the perplexity check")
     p.set_defaults(func=cmd_demo)
+
+    from .export import FORMATS
+
+    p = sub.add_parser("export", parents=common, help="write rotation files for a serving engine (the OSCAR SGLang fork)",
+                       description="Write calibrated rotations in a serving engine's format; refuses what the engine "
+                                   "cannot serve unchanged (see oscar_hf/export.py).")
+    p.add_argument("--rotations", required=True, help="folder or Hub repo id with oscar_rotations.*")
+    p.add_argument("--format", default=FORMATS[0], choices=FORMATS, help="target engine format")
+    p.add_argument("--output", required=True, help="folder for the engine's files")
+    p.add_argument("--config", default=None,
+                   help="OscarConfig (YAML/JSON) to reproduce: sink, window, group size, clip modes (default: the "
+                        "calibration's)")
+    p.add_argument("--key-clip", type=float, default=None, help="one key clip ratio for all layers (0, 1]")
+    p.add_argument("--value-clip", type=float, default=None, help="one value clip ratio for all layers (0, 1]")
+    p.set_defaults(func=cmd_export)
 
     # The evaluation harness lives in oscar_hf.evaluation; only the argument wiring is here.
     from .evaluation import report, runner
