@@ -15,6 +15,7 @@ arguments, e.g.
 MAX_BITS (env, default 4) caps a channel's bits. Result in eval/NOTES.md.
 """
 import os, sys, torch
+import oscar_hf.cache as C
 import oscar_hf.storage as S
 from oscar_hf.quant import clip_rows, fake_quantize, fake_quantize_channels
 
@@ -60,29 +61,39 @@ STATS: list[torch.Tensor] = []
 _init, _append = S.QuantizedHistory.__init__, S.QuantizedHistory.append
 
 
-def __init__(self, bits, granularity, *args, **kwargs):
-    _init(self, bits, granularity, *args, **kwargs)
-    self.simulated = bits == 2
-    if self.simulated:
-        self.bits, self.granularity = 16, granularity  # dense buffers holding the reconstruction
+def install(reconstruct_keys) -> None:
+    """Keeps 2-bit histories dense in this process, holding what the quantizer would give back: values the default
+    (token-wise 2 bits after the fitted clip), keys `reconstruct_keys(history, rows)` for rotated rows `[B, H, n, d]`
+    (whole blocks). `history.layer` is the owning `OscarLayer` (set at its creation)."""
 
+    def __init__(self, bits, granularity, *args, **kwargs):
+        _init(self, bits, granularity, *args, **kwargs)
+        self.simulated = bits == 2
+        if self.simulated:
+            self.bits, self.granularity = 16, granularity  # dense buffers holding the reconstruction
 
-def append(self, rows, bulk, rotation=None):
-    if getattr(self, "simulated", False) and rows.shape[2]:
+    def append(self, rows, bulk, rotation=None):
         if rotation is not None:
             rows = torch.matmul(rows, rotation)
-        if self.channelwise:
-            rows = mixed_channels(rows, self.block)
-        else:
-            rows = fake_quantize(rows.float(), 2, self.group_size, self.clip_ratio, self.scale_dtype).to(rows.dtype)
-    elif rotation is not None:
-        rows = torch.matmul(rows, rotation)
-    return _append(self, rows, bulk)
+        if getattr(self, "simulated", False) and rows.shape[2]:
+            if self.channelwise:
+                rows = reconstruct_keys(self, rows)
+            else:
+                rows = fake_quantize(rows.float(), 2, self.group_size, self.clip_ratio, self.scale_dtype).to(rows.dtype)
+        return _append(self, rows, bulk)
 
+    reset = C.OscarLayer._reset_state
 
-S.QuantizedHistory.__init__, S.QuantizedHistory.append = __init__, append
+    def _reset_state(self):
+        reset(self)
+        self.history_keys.layer = self
+
+    S.QuantizedHistory.__init__, S.QuantizedHistory.append = __init__, append
+    C.OscarLayer._reset_state = _reset_state
+
 
 if __name__ == "__main__":
+    install(lambda history, rows: mixed_channels(rows, history.block))
     x = torch.randn(1, 1, 64, 64) * torch.logspace(-1, 1, 64)  # channels of very different ranges
     uniform = fake_quantize_channels(x, 2, 64)
     print("keys with ranges over two decades, squared error: 2 bits each", ((uniform - x) ** 2).mean().item(),
