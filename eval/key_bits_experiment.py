@@ -17,7 +17,7 @@ MAX_BITS (env, default 4) caps a channel's bits. Result in eval/NOTES.md.
 import os, sys, torch
 import oscar_hf.cache as C
 import oscar_hf.storage as S
-from oscar_hf.quant import clip_rows, fake_quantize, fake_quantize_channels
+from oscar_hf.quant import fake_quantize, fake_quantize_channels
 
 MAX_BITS = int(os.environ.get("MAX_BITS", "4"))
 
