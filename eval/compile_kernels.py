@@ -4,6 +4,7 @@ shared memory from ptxas: catches compile errors and spills before spending devi
     python eval/compile_kernels.py          # every variant (generic integer arguments)
     python eval/compile_kernels.py --sass   # the decode kernel as a real launch specializes it: registers and
                                             # the SASS instruction mix of each loop (the no-GPU profile)
+    python eval/compile_kernels.py --sass --blocks 32,64,128,64,64,64,128,64   # per-head key blocks (calibrated)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{q}", "sink_v": "*{q}", "codes_k": "*u8",
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
             "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
-            "len_ptr": "*i32"}
+            "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32"}
 
 
 def signature(fn, constexprs, qtype):
@@ -65,7 +66,7 @@ def ptxas_report(kernel, cubin: str = os.devnull) -> str:
     return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
 
 
-def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16) -> None:
+def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16, blocks=None) -> None:
     """Compiles the decode kernel exactly as `segment_attention_triton` would launch it for this shape (Triton's own
     specialization of each argument: integers equal to 1 become constants, multiples of 16 are marked divisible) and
     prints registers, spills and the SASS instruction mix of each loop."""
@@ -88,10 +89,14 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
         bf = torch.zeros(batch, kv_heads, 256, head_dim, dtype=dtype)
         codes = torch.zeros(batch, kv_heads, length, head_dim // 4, dtype=torch.uint8)
         meta = torch.zeros(batch, kv_heads, length, 1, 2, dtype=torch.float16)
-        meta_k = torch.zeros(batch, kv_heads, length // 64, head_dim, 2, dtype=torch.float16)  # the default layout
+        # the default layout: channel-wise keys, blocks of 64 tokens for every head in chunks of 128 (R = 2 per head)
+        blocks, chunk = list(blocks or [64] * kv_heads), 128
+        rows = sum(chunk // bk for bk in blocks)
+        meta_k = torch.zeros(batch, length // chunk, rows, head_dim, 2, dtype=torch.float16)
         extra = bf[:, :, :0]
         attention.segment_attention_triton(q, bf, bf, codes, meta_k, codes, meta, bf, bf, extra, extra, None,
-                                           64, length // 64 * 64, 256, 0, 1, length + 320, head_dim ** -0.5, 64)
+                                           64, length // chunk * chunk, 256, 0, 1, length + 320, head_dim ** -0.5,
+                                           blocks, chunk)
     finally:
         attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
     fn, grid, args, kw = launches[0]
@@ -112,7 +117,8 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
     k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} {options}: "
+        print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} BLOCK_N={kw['BLOCK_N']} "
+              f"KEY_SPLIT={kw.get('KEY_SPLIT')} {options}: "
               f"{ptxas_report(k, cubin)}")
         cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
@@ -120,38 +126,80 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
     for address, ins in lines:
         target = re.search(r"BRA .*?0x([0-9a-f]+)", ins)
         if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
-            body = [i for a, i in lines if int(target.group(1), 16) <= a <= address]
-            mix = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", i).group(1) for i in body)
-            kind = "INT2 history" if mix.get("HADD2") else "BF16 segment"
-            print(f"  loop ({kind}): {len(body)} instructions per tile per thread: "
-                  + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+            body = [(a, i) for a, i in lines if int(target.group(1), 16) <= a <= address]
+            for paths, path in _loop_paths(body):
+                mix = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", i).group(1) for i in path)
+                kind = "INT2 history" if mix.get("HADD2") else "BF16 segment"
+                print(f"  loop ({kind}{paths}): {len(path)} instructions per tile per thread: "
+                      + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+
+
+def _loop_paths(body):
+    """The instructions one pass through a loop body executes, per path: a runtime branch inside the loop (`if split:`
+    in the kernel) is a forward `@P BRA`; branches on the same predicate are taken together (one assignment of each
+    predicate per path; the compiler may flip one: `@!P`). Yields (label, instructions); one path when no branch."""
+    import itertools
+
+    branches = {}
+    for a, ins in body:
+        m = re.match(r"@(!?)(U?P\d+)\s+BRA\s.*?0x([0-9a-f]+)", ins)
+        if m and int(m.group(3), 16) > a:
+            branches.setdefault(m.group(2), None)
+    preds = list(branches)
+    for values in itertools.product((False, True), repeat=len(preds)):
+        assign = dict(zip(preds, values))
+        path, k, addresses = [], 0, [a for a, _ in body]
+        while k < len(body):
+            a, ins = body[k]
+            path.append(ins)
+            m = re.match(r"(?:@(!?)(U?P\d+)\s+)?BRA\s.*?0x([0-9a-f]+)", ins)
+            if m and int(m.group(3), 16) > a and (m.group(2) is None or assign.get(m.group(2)) != bool(m.group(1))):
+                k = addresses.index(int(m.group(3), 16))
+                continue
+            k += 1
+        label = "" if not preds else ", " + " ".join(f"{p}={int(v)}" for p, v in assign.items())
+        yield label, path
 
 
 def main():
     if "--sass" in sys.argv:
-        sass_profile()
+        blocks = None
+        if "--blocks" in sys.argv:
+            blocks = [int(bk) for bk in sys.argv[sys.argv.index("--blocks") + 1].split(",")]
+        sass_profile(blocks=blocks, kv_heads=len(blocks) if blocks else 8)
         return 0
     failures = 0
-    variants = [(d, g, 16, 64, "bf16", False, kb) for d in (64, 128, 256) for g in (1, 2, 4) for kb in (0, 64)]
-    variants += [(128, 1, 16, bn, "bf16", False, kb) for bn in (32, 128) for kb in (0, 64)]
-    variants += [(128, 1, 64, 64, "bf16", True, 64), (128, 1, 16, 64, "fp16", True, 0), (64, 2, 64, 32, "fp16", False, 64)]
-    for d, groups, block_m, block_n, qtype, mask, key_block in variants:
-        prefetch = key_block > 0 and groups == 1 and block_m == 16 and d <= 128  # the launcher's choice
-        const = dict(D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask, UPCAST=False,
-                     DEVICE_LENGTHS=key_block > 0, PTX_UNPACK=True, META_WORDS=prefetch, PREFETCH=prefetch, L2_AHEAD=0)
+    # key_chunk: 0 token-wise keys, else channel-wise keys in chunks of that many tokens (per-head blocks are runtime
+    # values, read from the key table); l2: the decode loop's L2 look-ahead (the default launch: 2), else the
+    # register prefetch
+    variants = [(d, g, 16, 64, "bf16", False, kc, 0) for d in (64, 128, 256) for g in (1, 2, 4) for kc in (0, 128)]
+    variants += [(128, 1, 16, bn, "bf16", False, kc, 0) for bn in (32, 128) for kc in (0, 128)]
+    variants += [(128, 1, 16, bn, "bf16", False, 128, 2) for bn in (32, 64, 128)] + [(64, 1, 16, 128, "bf16", True, 64, 2)]
+    variants += [(128, 1, 64, 64, "bf16", True, 128, 0), (128, 1, 16, 64, "fp16", True, 0, 0),
+                 (64, 2, 64, 32, "fp16", False, 128, 0)]
+    variants = [v + (False,) for v in variants]
+    # mixed per-head blocks (`attention.key_tile`): tiles of twice the smallest block, split per head at run time;
+    # every channel-wise loop (L2 look-ahead, register prefetch, the plain loop at one or two groups and 64-row tiles)
+    variants += [(128, 1, 16, bn, "bf16", False, 128, l2, True) for bn in (64, 128) for l2 in (0, 2)]
+    variants += [(64, 1, 16, 32, "bf16", True, 128, 2, True), (256, 1, 16, 64, "bf16", False, 128, 0, True),
+                 (128, 2, 16, 64, "bf16", False, 128, 0, True), (128, 1, 64, 64, "bf16", True, 128, 0, True)]
+    for d, groups, block_m, block_n, qtype, mask, key_chunk, l2, split in variants:
+        words = key_chunk > 0 and groups == 1 and block_m == 16 and d <= 128  # the launcher's choice
+        prefetch = words and not l2
+        const = dict(D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask,
+                     UPCAST=False, DEVICE_LENGTHS=key_chunk > 0, PTX_UNPACK=True, META_WORDS=words, PREFETCH=prefetch,
+                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split)
         sig = signature(attention._segment_attention_kernel, const, qtype)
-        if prefetch:
+        if words:
             sig.update(meta_k="*i32", meta_v="*i32")
+        name = (f"attention d={d} G={groups} KC={key_chunk} BM={block_m} BN={block_n} {qtype} mask={mask} "
+                f"prefetch={prefetch} l2_ahead={const['L2_AHEAD']} key_split={split}")
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, sig, constexprs=const), target=TARGET)
-            if True:
-                print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask} "
-                      f"prefetch={prefetch}: "
-                      f"{ptxas_report(k)}", flush=True)
+            print(f"{name}: {ptxas_report(k)}", flush=True)
         except Exception as e:
             failures += 1
-            print(f"attention d={d} G={groups} KB={key_block} BM={block_m} BN={block_n} {qtype} mask={mask}: FAILED "
-                  f"{str(e)[-400:]}")
+            print(f"{name}: FAILED {str(e)[-400:]}")
     qvariants = [(d, 1, r, True, True, False) for d in (64, 128, 256) for r in (False, True)]
     qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
     for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
@@ -168,7 +216,8 @@ def main():
             print(f"quantize d={d} G={groups} rotate={rotate} clip={clip} bf16={bf16}: FAILED {str(e)[-400:]}")
     for d in (64, 128, 256):
         for rotate in (False, True):
-            const = dict(D=d, BLOCK=64, SUB=16 if d >= 256 else 32, ROTATE=rotate, STORE_BF16=True, META=0, UPCAST=False)
+            const = dict(D=d, KEY_CHUNK=128, SUB=16 if d >= 256 else 32, ROTATE=rotate, STORE_BF16=True, META=0,
+                         UPCAST=False)
             try:
                 k = triton.compile(ASTSource(quantize._quantize_pack_channels_kernel,
                                              signature(quantize._quantize_pack_channels_kernel, const, "bf16"),

@@ -93,7 +93,7 @@ def install(reconstruct_keys) -> None:
 
 
 if __name__ == "__main__":
-    install(lambda history, rows: mixed_channels(rows, history.block))
+    install(lambda history, rows: mixed_channels(rows, history.layout.blocks[0]))
     x = torch.randn(1, 1, 64, 64) * torch.logspace(-1, 1, 64)  # channels of very different ranges
     uniform = fake_quantize_channels(x, 2, 64)
     print("keys with ranges over two decades, squared error: 2 bits each", ((uniform - x) ** 2).mean().item(),

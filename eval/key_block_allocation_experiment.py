@@ -1,4 +1,6 @@
-"""Experiment (not a library option): the key block of each layer (or KV head) chosen at calibration, at equal bits.
+"""Experiment: the key block of each layer (or KV head) chosen at calibration, at equal bits. UNIT=head is now the
+library's default (`OscarConfig.key_block_allocation="fitted"`, exact rather than greedy); this simulation is kept
+for the per-layer variant and to reproduce the trials recorded with it.
 
 The default gives every layer channel-wise keys over blocks of 64 tokens (2 + 32/64 = 2.5 bits per key element with
 16-bit scale and minimum). Here a layer gets blocks of 32, 64 or 128 (3, 2.5 or 2.25 bits) so that the average stays
@@ -72,9 +74,9 @@ def _allocate_for(self, model, rotations, config):
     errors = {}
     for layer, (q, k, v, scale) in collector.record.items():
         basis = {"stored": rotations.key_rotations[layer].to(q.device)}
-        errors[layer] = {b: key_basis_errors(q, k, v, basis, scale, config.replace(demotion_block=b))["stored"]
+        errors[layer] = {b: key_basis_errors(q, k, v, basis, scale, config.replace(key_block=b, key_block_allocation="uniform"))["stored"]
                          for b in BLOCKS}
-    BLOCK.update(allocate(errors, bits(config.demotion_block)))
+    BLOCK.update(allocate(errors, bits(config.key_block)))
     counts = {b: sum(1 for v in BLOCK.values() if v == b) for b in BLOCKS}
     average = sum(bits(v) for v in BLOCK.values()) / len(BLOCK)
     print(f"key blocks per {UNIT}: {counts} (KV heads), average key bits {average:.4f}", file=sys.stderr)
@@ -97,7 +99,7 @@ def allocated_keys(history, rows):
         full = n // block * block  # a bulk append is whole 64-blocks: a larger block keeps its tail at 64
         parts = [fake_quantize_channels(rows[:, h : h + 1, :full], 2, block, history.scale_dtype)] if full else []
         if n > full:
-            parts.append(fake_quantize_channels(rows[:, h : h + 1, full:], 2, history.block, history.scale_dtype))
+            parts.append(fake_quantize_channels(rows[:, h : h + 1, full:], 2, history.layout.blocks[0], history.scale_dtype))
         out[:, h : h + 1] = torch.cat(parts, dim=2)
     return out
 

@@ -54,10 +54,10 @@ def un_rope(history, rows):
 def pre_rope_keys(history, rows):
     pre, cos, sin, r = un_rope(history, rows)
     if BASIS == "rotated":
-        pre_hat = torch.matmul(fake_quantize_channels(torch.matmul(pre, r), 2, history.block, history.scale_dtype),
+        pre_hat = torch.matmul(fake_quantize_channels(torch.matmul(pre, r), 2, history.layout.blocks[0], history.scale_dtype),
                                r.transpose(-1, -2))
     else:
-        pre_hat = fake_quantize_channels(pre, 2, history.block, history.scale_dtype)
+        pre_hat = fake_quantize_channels(pre, 2, history.layout.blocks[0], history.scale_dtype)
     post_hat = pre_hat * cos + _rotate_half(pre_hat) * sin
     return torch.matmul(post_hat, r).to(rows.dtype)
 

@@ -7,6 +7,16 @@ long prefill onto a filled cache) — with an online softmax, and writes its par
 The INT2 history is never dequantized into memory: a key row is k = c·s + m (codes c ∈ {0..3}, per-token scale s
 and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
 Σ_j p_j v_j = Σ_j (p_j s_j) c_j + Σ_j p_j m_j.
+Channel-wise keys (the default) have one (scale, minimum) per channel per block of tokens, each KV head its own block
+(`oscar_hf.quant.KeyBlockLayout`: meta `[B, n_chunks, R, d, 2]`, token t of head h at row
+(t // chunk, offset_h + (t % chunk) // block_h)). A key tile (`key_tile`) is as wide as the smallest block, or, when
+the heads' blocks mix (32, 64, 128 from calibration), twice as wide up to 64 tokens: a head whose block is a multiple
+of the tile reads one meta row per tile and folds its per-channel scales into the query; a head whose block is half
+the tile (`split`, a runtime branch per program) reads two rows and makes two sets of scaled-query dots over the same
+unpacked codes, each token taking its half's scores. (With every tile at the smallest block, one head of 32 tokens
+made decode 35-45% slower than uniform blocks of 64; split tiles take 12-19% off that, H200, 131K tokens.)
+The per-head (block, offset) come from a small int32 device table (`quantize.key_block_table`, cached per layout and
+device so that CUDA-graph capture creates no tensor).
 Codes become fp16 operands by the magic-number trick (see `_planes`: inline PTX, two codes per instruction), not by
 int -> float conversions.
 Stage 2 (`_merge_kernel`) merges the splits by log-sum-exp (FlashInfer's merge_state), exactly.
@@ -26,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops import attention_layout_problem
+from .quantize import key_block_table, key_rows_per_chunk
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -155,13 +166,38 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
-def _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, start, n, KEY_BLOCK: tl.constexpr):
-    """L2 prefetch of tokens [start, start + n) of the history: key and value codes (uint8, rows contiguous: the
-    launcher checks), value meta and the key blocks' meta (32-bit words, strides in words)."""
+def _key_meta_row(base_mk, start, kinv, smk_c, smk_t, KEY_CHUNK: tl.constexpr):
+    """The meta row of channel-wise keys holding token `start` of this KV head (`base_mk`: the head's first row of
+    chunk 0; rows (t // chunk, offset + (t % chunk) // block) of `[B, n_chunks, R, d, 2]`, `smk_c` the chunk stride,
+    `smk_t` the row stride): one row per tile, as the tile lies in one block. The head's block is a runtime value:
+    `kinv` = 1/block, and (t % chunk) // block = floor((t % chunk + 0.5) / block), exact in float32 (the fraction
+    stays >= 0.5/block away from an integer), a few instructions where an integer division by a runtime divisor
+    took ~20 per tile (eval/compile_kernels.py --sass)."""
+    t = tl.cast(start, tl.uint32)  # tokens are >= 0: unsigned // and % by the constant chunk are shifts and masks
+    chunk = (t // KEY_CHUNK).to(tl.int32)
+    within = (t % KEY_CHUNK).to(tl.float32)
+    return base_mk + chunk * smk_c + ((within + 0.5) * kinv).to(tl.int32) * smk_t
+
+
+@triton.jit
+def _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, start, n, split,
+                       KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, KEY_SPLIT: tl.constexpr):
+    """L2 prefetch of tokens [start, start + n) (at most TILES tiles) of the history: key and value codes (uint8,
+    rows contiguous: the launcher checks), value meta (32-bit words, strides in words) as one range each, and the
+    key meta row of each tile (a head's rows are not contiguous across chunks: one row per tile; two, one per half,
+    for a head whose block is half the tile: `split`)."""
+    HALF: tl.constexpr = BLOCK_N // 2
     _prefetch_l2(base_ck + start * sc_t, n * sc_t)
     _prefetch_l2(base_cv + start * scv_t, n * scv_t)
     _prefetch_l2(base_mv + start * sm_t, n * sm_t * 4)
-    _prefetch_l2(base_mk + (start // KEY_BLOCK) * smk_t, tl.cdiv(n, KEY_BLOCK) * smk_t * 4)
+    for i in tl.static_range(TILES):
+        tile = start + i * BLOCK_N
+        _prefetch_l2(_key_meta_row(base_mk, tile, kinv, smk_c, smk_t, KEY_CHUNK),
+                     tl.where(n > i * BLOCK_N, smk_t * 4, 0))
+        if KEY_SPLIT:
+            if split:
+                _prefetch_l2(_key_meta_row(base_mk, tile + HALF, kinv, smk_c, smk_t, KEY_CHUNK),
+                             tl.where(n > i * BLOCK_N + HALF, smk_t * 4, 0))
 
 
 @triton.jit
@@ -208,8 +244,21 @@ def _word_halves(w):
 
 
 @triton.jit
-def _tile_loads(base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mkw, smk_t, smk_g, base_mvw, sm_t,
-                start, hi, KEY_BLOCK: tl.constexpr, QD: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_meta_words(mblk, smk_g, live, QD: tl.constexpr):
+    """The per-channel (scale, minimum) of one channel-wise key block read as 32-bit words (`mblk`: the row, an int32
+    view, `smk_g` the channel stride in words), per quarter plane p, the scale times 4^-p (see `_planes`); `live`
+    [QD] bool, False loads nothing."""
+    dq = tl.arange(0, QD)
+    s0, m0 = _word_halves(tl.load(mblk + dq * smk_g, mask=live, other=0))
+    s1, m1 = _word_halves(tl.load(mblk + (QD + dq) * smk_g, mask=live, other=0))
+    s2, m2 = _word_halves(tl.load(mblk + (2 * QD + dq) * smk_g, mask=live, other=0))
+    s3, m3 = _word_halves(tl.load(mblk + (3 * QD + dq) * smk_g, mask=live, other=0))
+    return s0, m0, s1 * 0.25, m1, s2 * 0.0625, m2, s3 * 0.015625, m3
+
+
+@triton.jit
+def _tile_loads(base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mkw, smk_c, smk_t, smk_g, kinv, base_mvw, sm_t,
+                start, hi, KEY_CHUNK: tl.constexpr, QD: tl.constexpr, BLOCK_N: tl.constexpr):
     """Everything one tile of channel-wise keys and one-group values reads from memory: key and value codes, the
     values' per-token (scale, minimum), the key block's per-channel (scale, minimum) — the meta read as 32-bit words
     (`base_mkw`, `base_mvw`: int32 views, strides in words), each word one pair; key scales carry 4^-p per plane."""
@@ -219,13 +268,10 @@ def _tile_loads(base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mkw, smk_t, smk
     ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
     cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
     vs, vm = _word_halves(tl.load(base_mvw + idx * sm_t, mask=ok, other=0))
-    mblk = base_mkw + (start // KEY_BLOCK) * smk_t
+    mblk = _key_meta_row(base_mkw, start, kinv, smk_c, smk_t, KEY_CHUNK)
     live = (start + 0 * dq) < hi  # a bool per channel (the interpreter rejects scalar-and-vector masks)
-    s0, m0 = _word_halves(tl.load(mblk + dq * smk_g, mask=live, other=0))
-    s1, m1 = _word_halves(tl.load(mblk + (QD + dq) * smk_g, mask=live, other=0))
-    s2, m2 = _word_halves(tl.load(mblk + (2 * QD + dq) * smk_g, mask=live, other=0))
-    s3, m3 = _word_halves(tl.load(mblk + (3 * QD + dq) * smk_g, mask=live, other=0))
-    return ck, cv, vs, vm, s0, m0, s1 * 0.25, m1, s2 * 0.0625, m2, s3 * 0.015625, m3
+    s0, m0, s1, m1, s2, m2, s3, m3 = _key_meta_words(mblk, smk_g, live, QD)
+    return ck, cv, vs, vm, s0, m0, s1, m1, s2, m2, s3, m3
 
 
 @triton.jit
@@ -267,52 +313,105 @@ def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, 
 
 
 @triton.jit
+def _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                          ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                          ASM: tl.constexpr):
+    """`_channel_scores` for a tile over two key blocks: its first half under meta (ks, km), its second under
+    (ls, lm). The codes are unpacked once; each half's scaled queries make their own dots over all the tile's planes
+    (the MMA tile is the key tile either way), and each token keeps its half's scores."""
+    QD: tl.constexpr = ck.shape[1]
+    k0, k1, k2, k3 = _planes(ck, ASM)
+    s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
+    t = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
+    bias = tl.zeros((q0.shape[0], QD), tl.float32)
+    tbias = tl.zeros((q0.shape[0], QD), tl.float32)
+    s, bias = _channel_plane(s, bias, q0, k0, ks0, km0, UPCAST)
+    t, tbias = _channel_plane(t, tbias, q0, k0, ls0, lm0, UPCAST)
+    s, bias = _channel_plane(s, bias, q1, k1, ks1, km1, UPCAST)
+    t, tbias = _channel_plane(t, tbias, q1, k1, ls1, lm1, UPCAST)
+    s, bias = _channel_plane(s, bias, q2, k2, ks2, km2, UPCAST)
+    t, tbias = _channel_plane(t, tbias, q2, k2, ls2, lm2, UPCAST)
+    s, bias = _channel_plane(s, bias, q3, k3, ks3, km3, UPCAST)
+    t, tbias = _channel_plane(t, tbias, q3, k3, ls3, lm3, UPCAST)
+    first = tl.arange(0, BLOCK_N) < BLOCK_N // 2
+    return tl.where(first[None, :], s + tl.sum(bias, axis=1)[:, None], t + tl.sum(tbias, axis=1)[:, None])
+
+
+@triton.jit
 def _int2_range_words(
     q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, sc_b, sc_h, sc_t, sc_d,
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
-    mk_ptr, smk_b, smk_h, smk_t, smk_g,
+    mk_ptr, smk_b, smk_c, smk_t, smk_g, kinv, koffset, split,
     mv_ptr, sm_b, sm_h, sm_t,
     b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n,
-    D: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    D: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     UPCAST: tl.constexpr, ASM: tl.constexpr, REGISTER_PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr,
+    KEY_SPLIT: tl.constexpr,
 ):
     """`_int2_range` for the default layout (channel-wise keys, one value group per token), the meta read as 32-bit
     words (`mk_ptr`, `mv_ptr`: int32 views, one (scale, minimum) pair per word, strides in words), and bytes kept in
     flight while a tile computes (few programs fit on an SM, so their waits do not overlap): `REGISTER_PREFETCH`
     loads the next tile into registers before this tile's arithmetic; `L2_AHEAD` > 0 asks for the tile that many
     steps ahead in L2 and leaves the loads in place, where the compiler stages the packed bytes (not the unpacked
-    fp16 planes) through shared memory for the MMAs."""
+    fp16 planes) through shared memory for the MMAs. Key meta `[B, n_chunks, R, d]` words: this head's rows start
+    at `koffset` in each chunk (`smk_c` apart), one per block of 1/`kinv` tokens (`_key_meta_row`). `KEY_SPLIT`: the
+    launch's tiles may be twice some head's block; `split` (runtime, per program): this head's is, so each tile also
+    reads the row of its second half, with the tile's other loads (masked off for other heads: the load waits on the
+    same round trip), and computes its scores in a branch that other heads skip (`_channel_scores_split`)."""
     QD: tl.constexpr = D // 4
+    HALF: tl.constexpr = BLOCK_N // 2
+    dq = tl.arange(0, QD)
+    split_hi = tl.where(split, hi, 0)  # the second rows' loads stop here: nothing for a head that does not split
     base_ck = ck_ptr + b * sc_b + h * sc_h
     base_cv = cv_ptr + b * scv_b + h * scv_h
-    base_mk = mk_ptr + b * smk_b + h * smk_h
+    base_mk = mk_ptr + b * smk_b + koffset * smk_t
     base_mv = mv_ptr + b * sm_b + h * sm_h
     acc1 = acc1 * 4.0
     acc2 = acc2 * 16.0
     acc3 = acc3 * 64.0
     if REGISTER_PREFETCH:
         ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _tile_loads(
-            base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t, lo, hi, KEY_BLOCK, QD, BLOCK_N)
+            base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_c, smk_t, smk_g, kinv, base_mv, sm_t, lo, hi,
+            KEY_CHUNK, QD, BLOCK_N)
+        if KEY_SPLIT:  # the row of the first tile's second half
+            ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3 = _key_meta_words(
+                _key_meta_row(base_mk, lo + HALF, kinv, smk_c, smk_t, KEY_CHUNK), smk_g,
+                (lo + HALF + 0 * dq) < split_hi, QD)
     if L2_AHEAD > 0:  # the first L2_AHEAD tiles now, then one tile L2_AHEAD ahead per step
-        _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, lo,
-                           tl.minimum(hi - lo, L2_AHEAD * BLOCK_N), KEY_BLOCK)
+        _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, lo,
+                           tl.minimum(hi - lo, L2_AHEAD * BLOCK_N), split, KEY_CHUNK, BLOCK_N, L2_AHEAD, KEY_SPLIT)
     for start in range(lo, hi, BLOCK_N):
         if L2_AHEAD > 0:
             ahead = start + L2_AHEAD * BLOCK_N
-            _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_t, base_mv, sm_t, ahead,
-                               tl.minimum(hi - ahead, BLOCK_N), KEY_BLOCK)
+            _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, ahead,
+                               tl.minimum(hi - ahead, BLOCK_N), split, KEY_CHUNK, BLOCK_N, 1, KEY_SPLIT)
         if REGISTER_PREFETCH:
             n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3 = _tile_loads(
-                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t,
-                start + BLOCK_N, hi, KEY_BLOCK, QD, BLOCK_N)
+                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_c, smk_t, smk_g, kinv, base_mv, sm_t,
+                start + BLOCK_N, hi, KEY_CHUNK, QD, BLOCK_N)
+            if KEY_SPLIT:
+                nxt = start + BLOCK_N + HALF
+                n_ls0, n_lm0, n_ls1, n_lm1, n_ls2, n_lm2, n_ls3, n_lm3 = _key_meta_words(
+                    _key_meta_row(base_mk, nxt, kinv, smk_c, smk_t, KEY_CHUNK), smk_g, (nxt + 0 * dq) < split_hi, QD)
         else:
             ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _tile_loads(
-                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_t, smk_g, base_mv, sm_t,
-                start, hi, KEY_BLOCK, QD, BLOCK_N)
+                base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_c, smk_t, smk_g, kinv, base_mv, sm_t,
+                start, hi, KEY_CHUNK, QD, BLOCK_N)
+            if KEY_SPLIT:
+                ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3 = _key_meta_words(
+                    _key_meta_row(base_mk, start + HALF, kinv, smk_c, smk_t, KEY_CHUNK), smk_g,
+                    (start + HALF + 0 * dq) < split_hi, QD)
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
-        s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+        if KEY_SPLIT:
+            if split:
+                s = _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                                          ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+            else:
+                s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+        else:
+            s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
         valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         v0, v1, v2, v3 = _planes(cv, ASM)
@@ -320,6 +419,8 @@ def _int2_range_words(
         if REGISTER_PREFETCH:
             ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = (
                 n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3)
+            if KEY_SPLIT:
+                ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3 = n_ls0, n_lm0, n_ls1, n_lm1, n_ls2, n_lm2, n_ls3, n_lm3
     return m_i, l_i, acc0, acc1 * 0.25, acc2 * 0.0625, acc3 * 0.015625
 
 
@@ -328,17 +429,25 @@ def _int2_range(
     q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, sc_b, sc_h, sc_t, sc_d,
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
-    mk_ptr, smk_b, smk_h, smk_t, smk_g, smk_2,
+    mk_ptr, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, split,
     mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
     b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale,
-    D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    UPCAST: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+    UPCAST: tl.constexpr, ASM: tl.constexpr, KEY_SPLIT: tl.constexpr,
 ):
+    """Online softmax over history tokens [lo, hi). Key meta: token-wise `[B, H, L, G, 2]`, or (`KEY_CHUNK` > 0)
+    channel-wise `[B, n_chunks, R, d, 2]` (`smk_h` then is the chunk stride; this head's rows start at `koffset`,
+    one per block of 1/`kinv` tokens; `split`: this head's block is half the tile, see `_int2_range_words`)."""
     QD: tl.constexpr = D // 4
+    HALF: tl.constexpr = BLOCK_N // 2
     dq = tl.arange(0, QD)
+    split_hi = tl.where(split, hi, 0)
     base_ck = ck_ptr + b * sc_b + h * sc_h
     base_cv = cv_ptr + b * scv_b + h * scv_h
-    base_mk = mk_ptr + b * smk_b + h * smk_h
+    if KEY_CHUNK > 0:
+        base_mk = mk_ptr + b * smk_b + koffset * smk_t
+    else:
+        base_mk = mk_ptr + b * smk_b + h * smk_h
     base_mv = mv_ptr + b * sm_b + h * sm_h
     # quarter plane p lies in group p * GROUPS // 4 (GROUPS in {1, 2, 4})
     G1: tl.constexpr = 1 * GROUPS // 4
@@ -356,13 +465,25 @@ def _int2_range(
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
         ck = tl.load(base_ck + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-        if KEY_BLOCK > 0:
-            # Channel-wise keys: the tile lies in one block (BLOCK_N divides KEY_BLOCK), whose per-channel scale s_c
-            # and minimum m_c fold into the query. (Tiles spanning two blocks, with two scaled queries, measured
-            # slower on the H200: 169 vs 146 us at 100K, batch 1.)
+        if KEY_CHUNK > 0:
+            # Channel-wise keys: the tile lies in one block (the tile divides the head's block), whose per-channel
+            # scale s_c and minimum m_c fold into the query; or (`split`) in two, each half with its own scaled
+            # queries. (An earlier kernel that spanned two blocks in every tile measured slower on the H200, 169 vs
+            # 146 us at 100K, batch 1: the launcher splits only the smallest blocks' heads, when blocks mix.)
             ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _channel_key_meta(
-                base_mk + (start // KEY_BLOCK) * smk_t, smk_g, smk_2, start < hi, QD)
-            s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+                _key_meta_row(base_mk, start, kinv, smk_h, smk_t, KEY_CHUNK), smk_g, smk_2, start < hi, QD)
+            if KEY_SPLIT:  # the second half's row loads with the first (nothing loaded for other heads)
+                ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3 = _channel_key_meta(
+                    _key_meta_row(base_mk, start + HALF, kinv, smk_h, smk_t, KEY_CHUNK), smk_g, smk_2,
+                    start + HALF < split_hi, QD)
+                if split:
+                    s = _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                                              ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+                else:
+                    s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST,
+                                        ASM)
+            else:
+                s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
         else:
             k0, k1, k2, k3 = _planes(ck, ASM)
             mrow = base_mk + idx * smk_t
@@ -405,7 +526,7 @@ def _segment_attention_kernel(
     sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
     codes_k, sc_b, sc_h, sc_t, sc_d,
     codes_v, scv_b, scv_h, scv_t, scv_d,
-    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2,
+    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table,
     meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
     rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
     ext_k, ext_v, se_b, se_h, se_t, se_d,
@@ -414,9 +535,9 @@ def _segment_attention_kernel(
     n_sink, n_hist, n_recent, n_extra,
     hist_splits, hist_chunk, extra_chunk,
     scale, len_ptr, ring_size,
-    D: tl.constexpr, GROUPS: tl.constexpr, KEY_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
-    META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr,
+    META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr, KEY_SPLIT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -434,6 +555,18 @@ def _segment_attention_kernel(
         q_start = tl.load(len_ptr + 4)
     else:
         ring_lo = 0
+    if KEY_CHUNK > 0:
+        # channel-wise keys (meta [B, n_chunks, R, d, 2], smk_h the chunk stride): this head's block and first row
+        # of each chunk, from the launcher's [H, 2] int32 table
+        kblock = tl.load(key_table + 2 * h)
+        kinv = 1.0 / kblock.to(tl.float32)
+        koffset = tl.load(key_table + 2 * h + 1)
+        # KEY_SPLIT: the tile is twice the smallest block (`key_tile`), a head of that block reads two rows per tile
+        key_split = kblock < BLOCK_N
+    else:
+        kinv = 1.0
+        koffset = 0
+        key_split = False
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     qpos = q_start + rows % T
@@ -476,16 +609,16 @@ def _segment_attention_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range_words(
                 h0, h1, h2, h3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
-                meta_k, smk_b, smk_h, smk_t, smk_g, meta_v, sm_b, sm_h, sm_t,
-                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, D, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST, PTX_UNPACK,
-                PREFETCH, L2_AHEAD)
+                meta_k, smk_b, smk_h, smk_t, smk_g, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t,
+                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST, PTX_UNPACK,
+                PREFETCH, L2_AHEAD, KEY_SPLIT)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
                 h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
-                meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
-                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_BLOCK, BLOCK_N, HAS_MASK, UPCAST,
-                PTX_UNPACK)
+                meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
+                sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_CHUNK, BLOCK_N, HAS_MASK,
+                UPCAST, PTX_UNPACK, KEY_SPLIT)
     elif split == recent_split:
         # slots [ring_lo, ring_lo + n_recent) modulo ring_size: at most two contiguous pieces (one without a ring)
         offset = n_sink + n_hist - ring_lo
@@ -564,9 +697,25 @@ _BULK_PREFETCH: dict = {}
 # (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
 # keep v4's plain loop with 4 warps.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True, prefetch=False, l2_ahead=2)
+                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
+
+
+def key_tile(block_n: int, key_blocks, split_tile_max: int | None = None) -> tuple[int, bool]:
+    """The key tile of a launch over channel-wise keys with these per-head blocks, and whether it splits: a tile never
+    straddles more than two blocks of a head. Normally the tile is min(block_n, smallest block), dividing every
+    block and the chunk (blocks are powers of two >= 16 or multiples of 128). When the blocks mix (calibration's 32,
+    64 and 128), the smallest block is half of at most block_n and every other block is a multiple of twice it, the
+    tile is twice the smallest block (`split`: heads of the smallest block read two meta rows per tile) instead of
+    holding every head at the smallest block's tile (35-45% slower decode on the H200 with one head of 32), up to
+    `split_tile_max` (DEFAULT_LAUNCH: 64; blocks of 64 and 128 split at tiles of 128 measured slower than tiles of 64)."""
+    smallest = min(key_blocks)
+    limit = min(block_n, DEFAULT_LAUNCH["split_tile_max"] if split_tile_max is None else split_tile_max)
+    if 2 * smallest <= limit and max(key_blocks) > smallest \
+            and all(bk == smallest or bk % (2 * smallest) == 0 for bk in key_blocks):
+        return 2 * smallest, True
+    return min(block_n, smallest), False
 
 
 def _pairs_as_words(meta: torch.Tensor) -> bool:
@@ -595,46 +744,60 @@ def _sm_count(device: torch.device) -> int:
 
 def segment_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block: int = 0,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(),
+    key_chunk: int = 0, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     target_programs: int | None = None, prefetch: bool | None = None, l2_ahead: int | None = None,
 ):
     """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
     return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
                    extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
-                   queries_per_group, scale, key_block, block_n, num_warps, num_stages, target_programs, prefetch,
-                   l2_ahead)
+                   queries_per_group, scale, key_blocks, key_chunk, block_n, num_warps, num_stages, target_programs,
+                   prefetch, l2_ahead)
 
 
 def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-    queries_per_group, scale, key_block: int = 0, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
+    queries_per_group, scale, key_blocks=(), key_chunk: int = 0, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
     l2_ahead: int | None = None,
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
     once), so the launch is the same every step. Returns `out [B, H, M, d]` q.dtype."""
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
-                     sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_block,
-                     block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead)
+                     sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_blocks,
+                     key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
-            extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_block, block_n, num_warps,
-            num_stages, target_programs, prefetch, l2_ahead):
+            extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
+            num_warps, num_stages, target_programs, prefetch, l2_ahead):
     b, h, m, d = q.shape
-    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3], key_block)
+    key_chunk = int(key_chunk)
+    key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
+    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3], key_blocks)
     if problem:
         raise ValueError(problem)
+    if key_chunk:
+        if len(key_blocks) != h:
+            raise ValueError(f"{len(key_blocks)} channel-wise key blocks for {h} KV heads")
+        rows_per_chunk = key_rows_per_chunk(key_blocks, key_chunk)
+        if hist_meta_k.dim() != 5 or hist_meta_k.shape[2] != rows_per_chunk or hist_meta_k.shape[3] != d:
+            raise ValueError(f"channel-wise key meta must be [B, n_chunks, {rows_per_chunk}, {d}, 2] for blocks "
+                             f"{list(key_blocks)} in chunks of {key_chunk}, got {list(hist_meta_k.shape)}")
+        key_table = key_block_table(key_blocks, key_chunk, q.device)  # cached: no tensor made on later calls
+    else:
+        key_table = hist_codes_k  # never read
     block_m = 16 if m <= 16 else 64
     # long query tiles with wide key tiles exceed the shared memory; 64 keys suffice there
     block_n = block_n or (DEFAULT_LAUNCH["block_n"] if block_m == 16 and d <= 128 else 64)
-    if key_block:
-        block_n = min(block_n, key_block)  # a key tile never straddles two channel-wise blocks
+    key_split = False
+    if key_chunk:
+        # a key tile straddles at most two channel-wise blocks of a head (`key_tile`)
+        block_n, key_split = key_tile(block_n, key_blocks)
     # decode tiles (16 query rows) of channel-wise keys have their own measured warp count (v5: 2, v6: 4)
-    num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_block and block_m == 16 else "num_warps"]
+    num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_chunk and block_m == 16 else "num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
     target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
@@ -659,7 +822,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     # (ptxas, eval/compile_kernels.py): those keep the plain loop.
     prefetch = bool(DEFAULT_LAUNCH["prefetch"] if prefetch is None else prefetch)
     l2_ahead = int(DEFAULT_LAUNCH["l2_ahead"] if l2_ahead is None else l2_ahead)
-    meta_words = key_block > 0 and groups == 1 and block_m == 16 and d <= 128 and (prefetch or l2_ahead > 0) \
+    meta_words = key_chunk > 0 and groups == 1 and block_m == 16 and d <= 128 and (prefetch or l2_ahead > 0) \
         and _pairs_as_words(hist_meta_k) and _pairs_as_words(hist_meta_v)
     if meta_words:
         hist_meta_k, hist_meta_v = hist_meta_k.view(torch.int32), hist_meta_v.view(torch.int32)
@@ -675,7 +838,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         sink_k, sink_v, *sink_k.stride(),
         hist_codes_k, *hist_codes_k.stride(),
         hist_codes_v, *hist_codes_v.stride(),
-        hist_meta_k, *hist_meta_k.stride(),
+        hist_meta_k, *hist_meta_k.stride(), key_table,
         hist_meta_v, *hist_meta_v.stride(),
         recent_k, recent_v, *recent_k.stride(),
         extra_k, extra_v, *extra_k.stride(),
@@ -684,9 +847,9 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         n_sink, n_hist, n_recent, n_extra,
         hist_splits, hist_chunk, extra_chunk,
         scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
-        D=d, GROUPS=groups, KEY_BLOCK=key_block, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
+        D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
-        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead,
+        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)

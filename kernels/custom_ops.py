@@ -1,9 +1,10 @@
 """The Triton kernels as two torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
-- `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start, block)`: fused rotate -> clip -> quantize -> pack
-  (token-wise, or channel-wise over blocks of `block` tokens),
+- `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)`: fused rotate -> clip ->
+  quantize -> pack, token-wise (`key_chunk` 0, `key_blocks` empty) or channel-wise with KV head h over blocks of
+  `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, n_chunks, R, d, 2]`, `oscar_hf.quant.KeyBlockLayout`),
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
 - `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
-  merged by log-sum-exp. Returns `(out, lse)`.
+  merged by log-sum-exp; keys token-wise or channel-wise (`key_blocks`, `key_chunk` as above). Returns `(out, lse)`.
 - `oscar::decode_attention(q, ..., lengths, ...)`: the same kernel over a static cache's fixed buffers, lengths read
   on the device, fixed grid: what a CUDA graph of the decode step replays. Returns `out`.
 Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference` and
@@ -25,13 +26,13 @@ __all__ = ["decode_attention", "quantize_pack", "segment_attention"]
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
 def quantize_pack(
     x: torch.Tensor, rotation: Optional[torch.Tensor], clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor,
-    start: int, block: int,
+    start: int, key_blocks: list[int], key_chunk: int,
 ) -> None:
-    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start, block)
+    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)
 
 
 @quantize_pack.register_fake
-def _(x, rotation, clip_ratio, codes, meta, start, block) -> None:
+def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> None:
     return None
 
 
@@ -44,17 +45,17 @@ def segment_attention(
     extra_k: torch.Tensor, extra_v: torch.Tensor,
     key_mask: Optional[torch.Tensor],
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
-    queries_per_group: int, query_start: int, scale: float, key_block: int,
+    queries_per_group: int, query_start: int, scale: float, key_blocks: list[int], key_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return segment_attention_triton(
         q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-        key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block,
+        key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks, key_chunk,
     )
 
 
 @segment_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-      key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block):
+      key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks, key_chunk):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -65,13 +66,13 @@ def decode_attention(
     hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: Optional[torch.Tensor], lengths: torch.Tensor,
-    queries_per_group: int, scale: float, key_block: int,
+    queries_per_group: int, scale: float, key_blocks: list[int], key_chunk: int,
 ) -> torch.Tensor:
     return decode_attention_triton(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k,
-                                   ring_v, key_mask, lengths, queries_per_group, scale, key_block)
+                                   ring_v, key_mask, lengths, queries_per_group, scale, key_blocks, key_chunk)
 
 
 @decode_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-      queries_per_group, scale, key_block):
+      queries_per_group, scale, key_blocks, key_chunk):
     return torch.empty_like(q)

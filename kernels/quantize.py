@@ -6,6 +6,10 @@ rounded to the storage dtype exactly like the torch path's matmul), clips each r
 min/max, a 16-bit scale and minimum, codes rint((x − m)/s) ∈ [0, 3] from the *stored* scale/minimum, and packs 4
 codes per byte along head_dim in quarter
 planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the convention of `oscar_hf.quant`.
+Channel-wise keys (`_quantize_pack_channels_kernel`): one program per chunk of tokens of one (batch, KV head), one
+(scale, minimum) per channel per block of the head's own block size, written into the layer's chunked key meta
+`[B, n_chunks, R, d, 2]` (`oscar_hf.quant.KeyBlockLayout`; the per-head block and row offset come from a small
+device table, `key_block_table`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ..quant import KeyBlockLayout
 
 
 @triton.jit
@@ -62,49 +68,56 @@ def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
 
 @triton.jit
 def _quantize_pack_channels_kernel(
-    x_ptr, rot_ptr, codes_ptr, meta_ptr,
-    heads, start,
+    x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr,
+    heads, start_chunk, start,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
     sc_b, sc_h, sc_t, sc_d,
-    sm_b, sm_h, sm_t, sm_c, sm_2,
-    D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    sm_b, sm_c, sm_r, sm_d, sm_2,
+    D: tl.constexpr, KEY_CHUNK: tl.constexpr, SUB: tl.constexpr,
     ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # One program per (block of BLOCK tokens, batch·head): pass 1 finds each channel's min/max over the block, pass 2
-    # quantizes and packs (rows rotated twice rather than held: a whole block does not fit in registers at d = 256).
-    pid_blk = tl.program_id(0)
+    # One program per (chunk of KEY_CHUNK tokens, batch·head). Head h splits the chunk into blocks of `block` tokens
+    # (`table_ptr` [H, 2] int32: block, first meta row of the head within a chunk); per block, pass 1 finds each
+    # channel's min/max, pass 2 quantizes and packs (rows rotated twice rather than held: a whole block does not fit
+    # in registers at d = 256). Meta `[B, n_chunks, R, d, 2]`: block j of chunk c at row (c, offset + j).
+    pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
+    block = tl.load(table_ptr + 2 * h)
+    offset = tl.load(table_ptr + 2 * h + 1)
     cols = tl.arange(0, D)
-    if ROTATE:  # loaded once for both passes
+    if ROTATE:  # loaded once for every block of the chunk, both passes
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
     else:
         r = 0.0
-    lo = tl.full((D,), float("inf"), tl.float32)
-    hi = tl.full((D,), float("-inf"), tl.float32)
-    for t0 in range(0, BLOCK, SUB):
-        rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
-        x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
-        lo = tl.minimum(lo, tl.min(x, axis=0))
-        hi = tl.maximum(hi, tl.max(x, axis=0))
-    scale, minimum = _scale_minimum(lo, hi, META)
-    meta_base = meta_ptr + b * sm_b + h * sm_h + (start // BLOCK + pid_blk) * sm_t + cols * sm_c
-    tl.store(meta_base, scale)
-    tl.store(meta_base + sm_2, minimum)
-    s = scale.to(tl.float32)
-    m = minimum.to(tl.float32)
     qcols = tl.arange(0, D // 4)
     shifts = (tl.arange(0, 4) * 2)[None, :, None]
-    for t0 in range(0, BLOCK, SUB):
-        rows = pid_blk * BLOCK + t0 + tl.arange(0, SUB)
-        x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
-        codes = _rint((x - m[None, :]) / s[None, :])
-        codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
-        codes = tl.reshape(codes, (SUB, 4, D // 4))
-        packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
-        tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d, packed)
+    meta_chunk = meta_ptr + b * sm_b + (start_chunk + pid_c) * sm_c + cols * sm_d
+    for j in range(0, KEY_CHUNK // block):
+        first = pid_c * KEY_CHUNK + j * block  # the block's first row of x
+        lo = tl.full((D,), float("inf"), tl.float32)
+        hi = tl.full((D,), float("-inf"), tl.float32)
+        for t0 in range(0, block, SUB):
+            rows = first + t0 + tl.arange(0, SUB)
+            x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
+            lo = tl.minimum(lo, tl.min(x, axis=0))
+            hi = tl.maximum(hi, tl.max(x, axis=0))
+        scale, minimum = _scale_minimum(lo, hi, META)
+        meta_base = meta_chunk + (offset + j) * sm_r
+        tl.store(meta_base, scale)
+        tl.store(meta_base + sm_2, minimum)
+        s = scale.to(tl.float32)
+        m = minimum.to(tl.float32)
+        for t0 in range(0, block, SUB):
+            rows = first + t0 + tl.arange(0, SUB)
+            x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
+            codes = _rint((x - m[None, :]) / s[None, :])
+            codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+            codes = tl.reshape(codes, (SUB, 4, D // 4))
+            packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
+            tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d, packed)
 
 
 @triton.jit
@@ -196,6 +209,25 @@ _META_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # 714 vs 635 us for 100K tokens x 8 heads on the H200).
 QUANTIZE_LAUNCH = dict(tiles_per_program=8)
 _MIN_PROGRAMS = 512  # ~4 per SM on an H200: fewer tiles per program rather than an idle GPU
+_KEY_BLOCK_TABLES: dict = {}
+
+
+def key_block_table(key_blocks, key_chunk: int, device: torch.device) -> torch.Tensor:
+    """The int32 `[H, 2]` device table (block, first meta row within a chunk) of each KV head's channel-wise key
+    blocks (`oscar_hf.quant.KeyBlockLayout`), which the kernels read per head. Cached per (blocks, chunk, device):
+    made on the first (eager) call, reused afterwards, so that a launch inside CUDA-graph capture creates no tensor."""
+    key = (tuple(int(b) for b in key_blocks), int(key_chunk), device)
+    table = _KEY_BLOCK_TABLES.get(key)
+    if table is None:
+        layout = KeyBlockLayout(key[0], key[1])  # checks that every block divides the chunk
+        table = _KEY_BLOCK_TABLES[key] = torch.tensor(list(zip(layout.blocks, layout.offsets)), dtype=torch.int32,
+                                                      device=device)
+    return table
+
+
+def key_rows_per_chunk(key_blocks, key_chunk: int) -> int:
+    """R: key meta rows per chunk, all heads together."""
+    return KeyBlockLayout(tuple(key_blocks), int(key_chunk)).rows_per_chunk
 
 
 def quantize_pack_triton(
@@ -205,26 +237,34 @@ def quantize_pack_triton(
     codes: torch.Tensor,
     meta: torch.Tensor,
     start: int,
-    block: int = 0,
+    key_blocks=(),
+    key_chunk: int = 0,
     tiles_per_program: int | None = None,
 ) -> None:
     """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
-    `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`block == 0`, meta
-    `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise over blocks of `block` tokens (meta
-    `[B, H, L/block, d, 2]`, no clip; `start` and n multiples of `block`)."""
+    `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`key_chunk == 0`,
+    meta `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise with KV head h over blocks of
+    `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; no
+    clip; `start` and n multiples of the chunk)."""
     b, h, n, d = x.shape
     if n == 0:
         return
     rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
     upcast = os.environ.get("TRITON_INTERPRET") == "1"
-    if block:
-        if n % block or start % block:
-            raise ValueError(f"channel-wise quantization takes whole blocks of {block} tokens (n={n}, start={start})")
-        sub = math.gcd(block, 16 if d >= 256 else 32)
-        _quantize_pack_channels_kernel[(n // block, b * h)](
-            x, rot, codes, meta, h, start,
+    if key_chunk:
+        if n % key_chunk or start % key_chunk:
+            raise ValueError(f"channel-wise quantization takes whole chunks of {key_chunk} tokens (n={n}, start={start})")
+        if len(key_blocks) != h:
+            raise ValueError(f"{len(key_blocks)} key blocks for {h} KV heads")
+        rows = key_rows_per_chunk(key_blocks, key_chunk)
+        if meta.dim() != 5 or meta.shape[2] != rows or meta.shape[3] != d:
+            raise ValueError(f"channel-wise key meta must be [B, n_chunks, {rows}, {d}, 2], got {list(meta.shape)}")
+        table = key_block_table(key_blocks, key_chunk, x.device)
+        sub = math.gcd(16 if d >= 256 else 32, *(int(bk) for bk in key_blocks))  # divides every block
+        _quantize_pack_channels_kernel[(n // key_chunk, b * h)](
+            x, rot, codes, meta, table, h, start // key_chunk, start,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
-            D=d, BLOCK=block, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
+            D=d, KEY_CHUNK=key_chunk, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
             META=_META_CODES[meta.dtype], UPCAST=upcast, num_stages=1,  # no pipelined copies of the rotation
         )
         return

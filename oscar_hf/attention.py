@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ops
 from .cache import ATTENTION_NAME, LayerView, claim_layer, rotate
-from .quant import QuantizedBlocks, QuantizedRows, dequantize
+from .quant import QuantizedKeyChunks, QuantizedRows, dequantize
 from .static_cache import DecodeView
 
 QUERY_BLOCK = 4096  # query tokens per kernel call for long chunks
@@ -56,7 +56,8 @@ def oscar_segment_attention(
     q_rot = rotate(query.reshape(b, heads, groups, t, d), view.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
     sink_k, sink_v = view.sink_keys, view.sink_values
     hist_k, hist_v = view.history_keys, view.history_values
-    key_block = hist_k.block if isinstance(hist_k, QuantizedBlocks) else 0
+    key_layout = ((list(hist_k.layout.blocks), hist_k.layout.chunk) if isinstance(hist_k, QuantizedKeyChunks)
+                  else ([], 0))
     if not isinstance(hist_k, torch.Tensor) and hist_k.bits == 2:
         codes_k, meta_k, codes_v, meta_v = hist_k.codes, hist_k.meta, hist_v.codes, hist_v.meta
     else:
@@ -67,7 +68,7 @@ def oscar_segment_attention(
         sink_v = torch.cat([sink_v, dequantize(hist_v, sink_v.dtype)], dim=2)
         codes_k = codes_v = sink_k.new_empty(b, heads, 0, d // 4, dtype=torch.uint8)
         meta_k = meta_v = sink_k.new_empty(b, heads, 0, 1, 2, dtype=torch.float16)
-        key_block = 0
+        key_layout = ([], 0)
     key_mask = key_padding_mask(attention_mask)
     extra_k, extra_v = view.extra_keys, view.extra_values
     q_rot = q_rot.reshape(b, heads, groups, t, d)
@@ -80,7 +81,7 @@ def oscar_segment_attention(
             q_rot[:, :, :, t0:t1].reshape(b, heads, groups * (t1 - t0), d), sink_k, sink_v, codes_k, meta_k, codes_v,
             meta_v, view.recent_keys, view.recent_values, extra_k, extra_v, key_mask,
             sink_k.shape[2], codes_k.shape[2], view.recent_keys.shape[2], n_extra, t1 - t0, view.past_length + t0, scale,
-            key_block,
+            *key_layout,
         )
         outs.append(block.reshape(b, heads, groups, t1 - t0, d))
     out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
@@ -132,7 +133,7 @@ def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Ten
     out = ops.decode_attention(
         q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
         values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
-        key_padding_mask(attention_mask), layer.plan.lengths, t, scale, keys.block if keys.channelwise else 0,
+        key_padding_mask(attention_mask), layer.plan.lengths, t, scale, *keys.kernel_key_layout,
         kernel=layer.kernel,
     )
     vt = layer.value_rotation.transpose(-1, -2).unsqueeze(1)

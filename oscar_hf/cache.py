@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import OscarConfig
 from .models import check_attention_interface, kv_head_shards, text_config
 from . import ops
-from .quant import QuantizedBlocks, QuantizedRows
+from .quant import KeyBlockLayout, QuantizedKeyChunks, QuantizedRows
 from .rotations_io import OscarRotations
 from .storage import QuantizedHistory
 
@@ -55,7 +55,7 @@ class LayerView:
         key_rotation, value_rotation: `[H, d, d]` in the compute dtype.
         sink_keys, sink_values: `[B, H, ns, d]`.
         history_keys, history_values: packed views (`storage.py`): values `QuantizedRows` (codes `[B, H, nh, d·bits/8]`,
-            meta `[B, H, nh, G, 2]`), keys the same or `QuantizedBlocks` (channel-wise: meta `[B, H, nh/block, d, 2]`),
+            meta `[B, H, nh, G, 2]`), keys the same or `QuantizedKeyChunks` (channel-wise: meta `[B, nh/chunk, R, d, 2]`),
             or dense `[B, H, nh, d]` tensors when bits == 16.
         recent_keys, recent_values: `[B, H, nr, d]`.
         extra_keys, extra_values: `[B, H, ne, d]` (ne = 0 or chunk_length).
@@ -66,7 +66,7 @@ class LayerView:
     value_rotation: torch.Tensor
     sink_keys: torch.Tensor
     sink_values: torch.Tensor
-    history_keys: QuantizedRows | QuantizedBlocks | torch.Tensor
+    history_keys: QuantizedRows | QuantizedKeyChunks | torch.Tensor
     history_values: QuantizedRows | torch.Tensor
     recent_keys: torch.Tensor
     recent_values: torch.Tensor
@@ -160,6 +160,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         config: the `OscarConfig` (bits, group size, sink, window, demotion block, scale dtype).
         max_cache_len: if given, the history is allocated for that many tokens up front (no regrowth).
         key_mean: `[H, d]` key mean subtracted from every incoming key before storage (key centering), or None.
+        key_blocks: channel-wise key block of each KV head (`OscarConfig.key_blocks`); None: `config.key_block`.
     """
 
     is_compileable = False
@@ -175,6 +176,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         config: OscarConfig,
         max_cache_len: int | None = None,
         key_mean: torch.Tensor | None = None,
+        key_blocks: tuple[int, ...] | None = None,
     ):
         super().__init__()
         if key_mean is not None and tuple(key_mean.shape) != tuple(key_rotation.shape[:2]):
@@ -183,6 +185,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
                 "(num_key_value_heads, head_dim)"
             )
         self._key_mean_master = key_mean
+        heads = key_rotation.shape[0]
+        self.key_layout = (KeyBlockLayout(tuple(key_blocks or (config.key_block,) * heads), config.demotion_block)
+                           if config.key_granularity == "channel" and config.bits < 16 else None)
         self.key_mean = None  # [1, H, 1, d] float32 on the model's device, set at lazy initialization
         self.config = config
         self.key_clip, self.value_clip = float(key_clip), float(value_clip)
@@ -200,10 +205,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         self.n_sink = self.n_recent = 0
         d, cfg = self._key_rotation_master.shape[-1], self.config
         group = cfg.group_size or d
-        self.history_keys = QuantizedHistory(cfg.bits, cfg.key_granularity, group, cfg.demotion_block, cfg.scale_dtype,
+        self.history_keys = QuantizedHistory(cfg.bits, cfg.key_granularity, group, self.key_layout, cfg.scale_dtype,
                                              self.key_clip, d)
-        self.history_values = QuantizedHistory(cfg.bits, "token", group, cfg.demotion_block, cfg.scale_dtype,
-                                               self.value_clip, d)
+        self.history_values = QuantizedHistory(cfg.bits, "token", group, None, cfg.scale_dtype, self.value_clip, d)
 
     def __repr__(self):
         return f"OscarLayer(sink={self.n_sink}, history={self.history_keys.length}, recent={self.n_recent})"
@@ -576,8 +580,8 @@ class OscarCache(Cache):
                                if hasattr(model, "named_modules") else {})
         super().__init__(layers=self._make_layers(geometry, rotations, config, max_cache_len))
 
-    def _local_heads(self, i: int, per_head: torch.Tensor | None) -> torch.Tensor | None:
-        """The rows of a per-KV-head tensor `[H, ...]` that layer `i` holds on this rank."""
+    def _local_heads(self, i: int, per_head):
+        """The rows of a per-KV-head tensor `[H, ...]` (or tuple) that layer `i` holds on this rank."""
         if per_head is None or i not in self.kv_head_shards:
             return per_head
         first, count = self.kv_head_shards[i]
@@ -589,12 +593,18 @@ class OscarCache(Cache):
                 config.clip_ratio("key", rotations.key_clip(i)), config.clip_ratio("value", rotations.value_clip(i)),
                 config)
 
+    def _key_blocks(self, i: int, rotations: OscarRotations, config: OscarConfig) -> tuple[int, ...]:
+        """The channel-wise key block of each KV head of layer `i` on this rank (`OscarConfig.key_blocks`)."""
+        heads = self._local_heads(i, rotations.key_rotations[i]).shape[0]
+        return config.key_blocks(heads, self._local_heads(i, rotations.key_block(i)))
+
     def _make_layers(self, geometry, rotations: OscarRotations, config: OscarConfig, max_cache_len: int | None):
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
                 layers.append(OscarLayer(*self._layer_arguments(i, rotations, config), max_cache_len,
-                                         key_mean=self._local_heads(i, rotations.key_mean(i))))
+                                         key_mean=self._local_heads(i, rotations.key_mean(i)),
+                                         key_blocks=self._key_blocks(i, rotations, config)))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
         return layers

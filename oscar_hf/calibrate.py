@@ -36,9 +36,13 @@ from .data import load_texts, sequence_prefix, token_sequences
 from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
 from .quant import fake_quantize, fake_quantize_channels
 from .rotation import build_rotation
-from .rotations_io import FINGERPRINT_KEY, OscarRotations, geometry_dict_for, weight_fingerprint
+from .rotations_io import FINGERPRINT_KEY, LAYOUT_FIELDS, OscarRotations, geometry_dict_for, weight_fingerprint
 
 CAPTURE_NAME = "oscar_capture"
+# Fewer KV heads than this in the OSCAR layers keep key_block everywhere: the allocation trusts one held-out sequence's
+# errors, and with few heads each move is a large share of the budget. Gemma-3-270M (three global layers of one KV
+# head) lost perplexity with it (20.03 vs 19.90 uniform; BF16 19.67) while models with 48-90 heads gained.
+MIN_ALLOCATION_HEADS = 16
 TARGETS = ("query", "key", "value", "attention", "logit")
 _QUERY_BLOCK = 256
 _capture = threading.local()
@@ -317,13 +321,14 @@ def key_basis_errors(query, key, value, candidates: dict[str, torch.Tensor], sca
 
 
 def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0) -> torch.Tensor:
-    """Keys `[H, T, d]` as the cache stores them in its history (the caller masks what stays exact)."""
+    """Keys `[H, T, d]` as the cache stores them in its history (the caller masks what stays exact), channel-wise
+    keys in blocks of `config.key_block` within whole demotion blocks."""
     t = kr.shape[1]
     if config.key_granularity == "channel":
-        block, start = config.demotion_block, min(config.sink_tokens, t)
-        end = start + (t - start) // block * block
+        start = min(config.sink_tokens, t)
+        end = start + (t - start) // config.demotion_block * config.demotion_block
         out = kr.clone()
-        out[:, start:end] = fake_quantize_channels(kr[:, start:end], config.bits, block, config.scale_dtype)
+        out[:, start:end] = fake_quantize_channels(kr[:, start:end], config.bits, config.key_block, config.scale_dtype)
         return out
     return fake_quantize(kr, config.bits, config.group_size or kr.shape[-1], ratio, config.scale_dtype)
 
@@ -339,6 +344,51 @@ def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torc
     best = table.argmin(0).tolist()
     rotation = torch.stack([candidates[names[c]][head] for head, c in enumerate(best)])
     return rotation, [names[c] for c in best]
+
+
+def key_block_errors(query, key, value, rotation: torch.Tensor, scale: float,
+                     config: OscarConfig) -> dict[int, torch.Tensor]:
+    """Held-out relative attention-output error per KV head `[H]` of keys stored in the basis `rotation` `[H, d, d]`
+    over blocks of each of `config.key_block_choices` (`key_basis_errors` with that block everywhere)."""
+    return {block: key_basis_errors(query, key, value, {"stored": rotation}, scale,
+                                    config.replace(key_block=block, key_block_allocation="uniform"))["stored"]
+            for block in config.key_block_choices}
+
+
+def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: OscarConfig) -> dict[int, tuple[int, ...]]:
+    """The channel-wise key block of every (layer, KV head), `{layer: (block, ...)}`, that minimises the summed
+    held-out error `errors[layer][block][head]` with at most the metadata of `config.key_block` everywhere.
+
+    Exact (a multiple-choice knapsack by dynamic programming): a head with block b costs demotion_block / b
+    (scale, minimum) rows per demotion block, and the budget is the same count with key_block everywhere. Unlike a
+    greedy, it keeps uniform blocks when moving bits between few heads does not pay (Gemma 3 has one KV head in each
+    of three global layers)."""
+    chunk = config.demotion_block
+    units = [(layer, head) for layer in sorted(errors) for head in range(len(next(iter(errors[layer].values()))))]
+    budget = len(units) * chunk // config.key_block
+    choices = sorted(config.key_block_choices)  # finest first
+    inf = float("inf")
+    best = [0.0] + [inf] * budget  # best[c]: least error of the units so far using exactly c rows
+    picks = []
+    for layer, head in units:
+        new, pick = [inf] * (budget + 1), [0] * (budget + 1)
+        for c in range(budget + 1):
+            if best[c] == inf:
+                continue
+            for block in choices:
+                cost = c + chunk // block
+                err = best[c] + float(errors[layer][block][head])
+                if cost <= budget and err < new[cost] - 1e-15:
+                    new[cost], pick[cost] = err, block
+        best = new
+        picks.append(pick)
+    c = min(range(budget + 1), key=lambda i: (best[i], i))
+    chosen = {}
+    for (layer, head), pick in zip(reversed(units), reversed(picks)):
+        chosen[(layer, head)] = pick[c]
+        c -= chunk // pick[c]
+    return {layer: tuple(chosen[(layer, h)] for h in range(len(next(iter(errors[layer].values())))))
+            for layer in sorted(errors)}
 
 
 def best_ratio(errors: dict[float, float]) -> float:
@@ -368,9 +418,14 @@ class CalibrationReport:
     key_clips: dict[int, float] | None
     value_clips: dict[int, float] | None
     clip_errors: dict[int, dict] = field(default_factory=dict)
+    key_blocks: dict[int, tuple[int, ...]] | None = None
 
     def summary(self, fixed=(0.96, 0.92)) -> str:
         lines = [f"calibrated on {self.tokens} tokens (+{self.heldout_tokens} held out) in {self.seconds:.1f} s"]
+        if self.key_blocks:
+            blocks = [b for per_layer in self.key_blocks.values() for b in per_layer]
+            counts = ", ".join(f"{blocks.count(b)} x {b}" for b in sorted(set(blocks)))
+            lines.append(f"key blocks per KV head (tokens): {counts}")
         if self.key_clips:
             lines.append("layer | key clip | key err (fitted / none / 0.96) | value clip | value err (fitted / none / 0.92)")
             for layer, curves in sorted(self.clip_errors.items()):
@@ -458,8 +513,12 @@ def calibrate(
                 h, d = key_rotations[layer].shape[:2]
                 key_rotations[layer] = torch.eye(d, dtype=torch.float64).expand(h, d, d).clone()
                 key_bases[layer] = ["identity"] * h
-    key_clips = value_clips = None
+    key_clips = value_clips = key_blocks = None
     curves: dict[int, dict] = {}
+    block_errors: dict[int, dict[int, torch.Tensor]] = {}
+    allocate = (config.key_granularity == "channel" and config.key_block_allocation == "fitted"
+                and len(config.key_block_choices) > 1
+                and len(geometry.oscar_layers) * geometry.num_key_value_heads >= MIN_ALLOCATION_HEADS)
     if heldout and config.bits < 16:
         key_clips, value_clips = {}, {}
         layers = geometry.oscar_layers
@@ -477,11 +536,15 @@ def calibrate(
                 errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
                 key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, config.per_head)
                 key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
+            if allocate:
+                block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config)
             errs = clip_errors(
                 q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config, config.clip_grid
             )
             curves[layer] = errs
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
+        if allocate:
+            key_blocks = allocate_key_blocks(block_errors, config)
     seconds = time.perf_counter() - start
 
     import transformers
@@ -509,6 +572,14 @@ def calibrate(
             "errors": {str(layer): errs for layer, errs in key_basis_errors_seen.items()},
             "objective": "relative attention-output error on held-out tokens, keys quantized as stored, values exact",
         } if key_bases else None,
+        "key_block_allocation": {
+            "objective": "least summed relative attention-output error on held-out tokens (keys quantized in the "
+                         "stored basis, values exact) at the metadata of key_block everywhere",
+            "choices": list(config.key_block_choices),
+            "average_key_bits": round(sum(config.bits + 2 * (32 if config.scale_dtype == "float32" else 16) / b for bl in key_blocks.values() for b in bl)
+                                      / sum(len(bl) for bl in key_blocks.values()), 4),
+            "errors": {str(layer): {str(b): e.tolist() for b, e in errs.items()} for layer, errs in block_errors.items()},
+        } if key_blocks else None,
         "clip_fit": {
             "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
             "grid": list(config.clip_grid),
@@ -533,9 +604,11 @@ def calibrate(
         value_clips,
         metadata=metadata,
         key_means=None if key_means is None else {k: v.float() for k, v in key_means.items()},
-        layout={"key_granularity": config.key_granularity, "demotion_block": config.demotion_block},
+        layout={name: getattr(config, name) for name in LAYOUT_FIELDS},
+        key_blocks=key_blocks,
     )
-    rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves)
+    rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves,
+                                         key_blocks)
     rotations.statistics = collector.layers
     return rotations
 

@@ -23,6 +23,7 @@ VALUE_TARGETS = ("attention", "logit", "value", "hadamard", "identity")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 CLIP_MODES = ("fitted", "none")
 KEY_GRANULARITIES = ("channel", "token")
+KEY_BLOCK_ALLOCATIONS = ("fitted", "uniform")
 # Ratios tried when fitting clip thresholds. The threshold of a row x (length d) is sort(|x|)[floor(r*d)];
 # r = 1.0 means "no clip". The reference implementation hand-sets 0.96 (keys) and 0.92 (values).
 DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
@@ -36,7 +37,8 @@ class OscarConfig:
     New tokens enter the recent window; once it holds `window_tokens + demotion_block` tokens, its oldest
     `demotion_block` tokens are quantized and packed into the history: values token-wise (rotated, clipped, one
     scale/minimum per token and group of channels), keys channel-wise by default (one scale/minimum per channel over
-    the demoted block, KIVI's insight, which follows the per-channel structure of post-RoPE keys as it arrives).
+    each block of tokens, KIVI's insight, which follows the per-channel structure of post-RoPE keys as it arrives;
+    the block of each KV head allocated at calibration, at the bits of `key_block`).
 
     Args:
         bits: code width of the history: 2 (OSCAR), 3 or 4 (comparisons), 8, or 16 (no quantization: the history
@@ -45,10 +47,18 @@ class OscarConfig:
             token per KV head, the paper's setting).
         sink_tokens: first tokens of the sequence kept in full precision ("attention sinks"). Paper: 64.
         window_tokens: most recent tokens kept in full precision. Paper: 256.
-        demotion_block: tokens moved from the recent window into the history at once; with channel-wise keys, also
-            the block of tokens that shares one key scale/minimum per channel. Default 64 (the paper's token-wise
-            recipe used 8): a 16-bit scale and minimum per channel per 64 tokens cost 0.5 bit per key element, so
-            the history is 2.375 bits at head_dim 128 (keys 2.5, values 2.25) and 2.5 at head_dim 64.
+        demotion_block: tokens moved from the recent window into the history at once (the paper's token-wise recipe
+            used 8). Default 128: a multiple of every channel-wise key block.
+        key_block: tokens sharing one key scale/minimum per channel (channel-wise keys), on average: a 16-bit
+            scale and minimum per channel per 64 tokens (the default) cost 0.5 bit per key element, so the history
+            is 2.375 bits at head_dim 128 (keys 2.5, values 2.25) and 2.5 at head_dim 64. Must divide demotion_block.
+        key_block_allocation: `"fitted"` (default): calibration gives each KV head blocks of key_block/2, key_block
+            or 2·key_block tokens (those dividing demotion_block), at the same total bits as key_block everywhere,
+            choosing the allocation with the lowest held-out attention error (finer ranges where keys need them),
+            stored with the rotations (models with fewer than 16 KV heads in their full-attention layers keep
+            key_block everywhere: `calibrate.MIN_ALLOCATION_HEADS`); rotations without an allocation get key_block
+            everywhere. `"uniform"`:
+            key_block for every head.
         key_granularity: `"channel"` (default) or `"token"` (the paper's recipe: a scale/minimum per token and group
             of channels, after the clip).
         key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
@@ -82,7 +92,9 @@ class OscarConfig:
     group_size: int | None = None
     sink_tokens: int = 64
     window_tokens: int = 256
-    demotion_block: int = 64
+    demotion_block: int = 128
+    key_block: int = 64
+    key_block_allocation: str = "fitted"
     key_granularity: str = "channel"
     key_clip: str | float = "fitted"
     value_clip: str | float = "fitted"
@@ -122,6 +134,12 @@ class OscarConfig:
         check_int("sink_tokens", 0)
         check_int("window_tokens", 0)
         check_int("demotion_block", 1)
+        check_int("key_block", 1)
+        if self.key_block_allocation not in KEY_BLOCK_ALLOCATIONS:
+            fail("key_block_allocation", f"must be one of {KEY_BLOCK_ALLOCATIONS}")
+        if self.key_granularity == "channel" and self.demotion_block % self.key_block:
+            fail("key_block", f"must divide demotion_block ({self.demotion_block}): keys enter the history in "
+                              "whole demotion blocks")
         for name in ("key_clip", "value_clip"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -172,14 +190,39 @@ class OscarConfig:
             return float(fitted)
         return float(mode)
 
+    @property
+    def key_block_choices(self) -> tuple[int, ...]:
+        """Blocks a fitted allocation may give a KV head: key_block, and 2·key_block and key_block/2 where they divide
+        demotion_block and are multiples of 8 tokens."""
+        if self.key_block_allocation == "uniform":
+            return (self.key_block,)
+        kb = self.key_block
+        # the packing runs along the block too (quant.quantize_channels): other blocks need multiples of 8 tokens
+        return (kb,) + tuple(b for b in (2 * kb, kb // 2) if b % 8 == 0 and b and self.demotion_block % b == 0 and
+                             (b != kb // 2 or kb % 2 == 0))
+
+    def key_blocks(self, heads: int, fitted: tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
+        """The channel-wise key block of each of `heads` KV heads of a layer: the fitted allocation (from the
+        rotations) when `key_block_allocation == "fitted"` and there is one, else key_block everywhere."""
+        if self.key_block_allocation == "uniform" or fitted is None or self.key_granularity != "channel":
+            return (self.key_block,) * heads
+        fitted = tuple(int(b) for b in fitted)
+        if len(fitted) != heads or any(b < 1 or self.demotion_block % b for b in fitted):
+            raise ValueError(
+                f"the rotations' key blocks {list(fitted)} do not fit {heads} KV heads in demotion blocks of "
+                f"{self.demotion_block} tokens; set OscarConfig.key_block_allocation='uniform' or keep the file's "
+                "demotion_block")
+        return fitted
+
     def history_bits_per_element(self, head_dim: int) -> float:
         """Bits per element of the quantized history (keys and values averaged): codes plus the 16-bit (or 32-bit)
-        scale and minimum, per group of channels (values; token-wise keys) or per block of tokens (channel-wise keys)."""
+        scale and minimum, per group of channels (values; token-wise keys) or per block of tokens (channel-wise keys:
+        key_block on average; a fitted allocation spends at most those bits)."""
         if self.bits == 16:
             return 16.0
         meta_bits = {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
         value_bits = self.bits + 2 * meta_bits / (self.group_size or head_dim)
-        key_bits = self.bits + 2 * meta_bits / self.demotion_block if self.key_granularity == "channel" else value_bits
+        key_bits = self.bits + 2 * meta_bits / self.key_block if self.key_granularity == "channel" else value_bits
         return (key_bits + value_bits) / 2
 
     # ------------------------------------------------------------------ serialisation

@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-from .quant import QuantizedBlocks, QuantizedRows, clip_rows, dequantize_channels, dequantize_rows, quantize_channels, quantize_rows
+from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize_key_chunks, dequantize_rows,
+                    quantize_key_chunks, quantize_rows)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -58,40 +59,42 @@ def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
     return False
 
 
-def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_block: int) -> str | None:
+def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_blocks=()) -> str | None:
     """Why the INT2 decode kernel cannot read this layout, or None. The kernel applies one scale per quarter plane of
-    the packed bytes (1, 2 or 4 token-wise groups per row), tiles keys by 16..128 tokens (a channel-wise block must
-    be a multiple of its tile) and needs head_dim >= 64."""
+    the packed bytes (1, 2 or 4 token-wise groups per row), tiles keys by 16..128 tokens (every channel-wise key block
+    a multiple of the tile: powers of two >= 16 or multiples of 128) and needs head_dim >= 64."""
     if head_dim < 64 or head_dim & (head_dim - 1):
         return f"the INT2 decode kernel needs a power-of-two head_dim >= 64, got {head_dim}"
     for name, groups in (("value", value_groups), ("key", key_groups)):
-        if groups not in (1, 2, 4) and not (name == "key" and key_block):
+        if groups not in (1, 2, 4) and not (name == "key" and key_blocks):
             return (f"the INT2 decode kernel reads 1, 2 or 4 quantization groups per {name} row, not {groups} "
                     f"(group_size {head_dim // max(groups, 1)} at head_dim {head_dim})")
-    if key_block and (key_block % 16 or (key_block & (key_block - 1) and key_block % 128)):
-        return (f"the INT2 decode kernel needs a channel-wise key block (demotion_block) that is a power of two "
-                f">= 16 or a multiple of 128, got {key_block}")
+    for block in key_blocks:
+        if block % 16 or (block & (block - 1) and block % 128):
+            return (f"the INT2 decode kernel needs channel-wise key blocks that are powers of two >= 16 or multiples "
+                    f"of 128, got {block}")
     return None
 
 
 # ------------------------------------------------------------------------------------------ quantize_pack
 def quantize_pack_reference(
     x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int,
-    block: int = 0,
+    key_blocks: list[int] = (), key_chunk: int = 0,
 ) -> None:
     """Rotates (if `rotation` `[H, d, d]` is given), clips, quantizes to 2 bits and packs rows `x` `[B, H, n, d]` into
-    `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`block == 0`,
-    meta `[B, H, L, G, 2]`) or channel-wise over blocks of `block` tokens (meta `[B, H, L/block, d, 2]`; `start` and
-    n multiples of `block`, no clip)."""
+    `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`key_chunk == 0`,
+    meta `[B, H, L, G, 2]`) or channel-wise with KV head h over blocks of `key_blocks[h]` tokens in chunks of
+    `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; `start` and n multiples of the chunk, no
+    clip)."""
     n, d = x.shape[2], x.shape[3]
     if n == 0:
         return
     if rotation is not None:
         x = torch.matmul(x, rotation)
-    if block:
-        q = quantize_channels(x, 2, block, meta.dtype)
+    if key_chunk:
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype)
         codes[:, :, start : start + n] = q.codes
-        meta[:, :, start // block : (start + n) // block] = q.meta
+        meta[:, start // key_chunk : (start + n) // key_chunk] = q.meta
         return
     group = d // meta.shape[3]
     q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, group, meta.dtype)
@@ -99,13 +102,15 @@ def quantize_pack_reference(
     meta[:, :, start : start + n] = q.meta
 
 
-def quantize_pack(x, rotation, clip_ratio, codes, meta, start, block=0, kernel: bool | None = None) -> None:
+def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0,
+                  kernel: bool | None = None) -> None:
     """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
     e.g. once outside a compiled region; None: decide here)."""
     if use_kernels(x) if kernel is None else kernel:
-        torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start), int(block))
+        torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start),
+                                      [int(b) for b in key_blocks], int(key_chunk))
     else:
-        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, block)
+        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
@@ -117,7 +122,7 @@ def segment_attention_reference(
     extra_k: torch.Tensor, extra_v: torch.Tensor,
     key_mask: torch.Tensor | None,
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
-    queries_per_group: int, query_start: int, scale: float, key_block: int = 0,
+    queries_per_group: int, query_start: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
     row_block: int = 1024, emulate_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped query rows over [sink | INT2 history | recent | extra] (all rotated).
@@ -127,8 +132,9 @@ def segment_attention_reference(
             (T = `queries_per_group`).
         sink_k/v, recent_k/v, extra_k/v: `[B, H, ≥n, d]`, the first n_sink / n_recent / n_extra rows valid.
         hist_codes_k/v: `[B, H, ≥n_hist, d/4]` uint8 (2-bit planar), hist_meta_v: `[B, H, ≥n_hist, G, 2]` (token-wise);
-            hist_meta_k the same, or `[B, H, ≥n_hist/key_block, d, 2]` when `key_block` > 0 (channel-wise keys over
-            blocks of `key_block` tokens; n_hist a multiple of it).
+            hist_meta_k the same, or, when `key_chunk` > 0, channel-wise keys `[B, ≥n_hist/key_chunk, R, d, 2]`: KV
+            head h over blocks of `key_blocks[h]` tokens in chunks of `key_chunk` (`quant.KeyBlockLayout`; n_hist a
+            multiple of the chunk).
         key_mask: `[B, n_sink + n_hist + n_recent + n_extra]` bool (True = attend) or None. Causality comes from
             positions: sink at 0, history after it, then recent, then extra.
         emulate_bf16: round the probabilities to bfloat16 before they weigh the values, as the kernel's tensor-core
@@ -137,8 +143,9 @@ def segment_attention_reference(
         `(out [B, H, M, d] in q.dtype, lse [B, H, M] float32)`; rows with no visible key give 0 and -inf.
     """
     d = q.shape[-1]
-    if key_block:
-        hist_k = dequantize_channels(QuantizedBlocks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, : -(-n_hist // key_block)], 2, key_block))
+    if key_chunk:
+        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, : -(-n_hist // key_chunk)],
+                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk)))
     else:
         hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2, d // hist_meta_k.shape[3]))
     hist_v = dequantize_rows(QuantizedRows(hist_codes_v[:, :, :n_hist], hist_meta_v[:, :, :n_hist], 2, d // hist_meta_v.shape[3]))
@@ -169,14 +176,15 @@ def segment_attention_reference(
 
 def segment_attention(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_block=0,
+    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(), key_chunk=0,
 ):
     """`segment_attention_reference`'s contract, on the Triton kernel where it applies."""
+    key_blocks = [int(b) for b in key_blocks] if key_chunk else []
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
             key_mask, int(n_sink), int(n_hist), int(n_recent), int(n_extra), int(queries_per_group), int(query_start),
-            float(scale), int(key_block))
-    problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_block else hist_meta_k.shape[3],
-                                       int(key_block))
+            float(scale), key_blocks, int(key_chunk))
+    problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3],
+                                       key_blocks)
     if use_kernels(q, problem):
         return torch.ops.oscar.segment_attention(*args)
     return segment_attention_reference(*args)
@@ -189,7 +197,7 @@ def decode_attention_reference(
     hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: torch.Tensor | None, lengths: torch.Tensor,
-    queries_per_group: int, scale: float, key_block: int = 0,
+    queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
     synchronisation, fixed shapes: what a CUDA graph can replay).
@@ -197,8 +205,8 @@ def decode_attention_reference(
     Args:
         q: `[B, H, M, d]` rotated queries, row r = g·T + t (as in `segment_attention_reference`).
         sink_k/v: `[B, H, S, d]`: positions [0, n_sink).
-        hist_codes_k/v, hist_meta_k/v: the whole history buffers (capacity C rows; keys channel-wise over
-            `key_block` tokens when > 0): rows [0, n_hist) hold positions S + j.
+        hist_codes_k/v, hist_meta_k/v: the whole history buffers (capacity C rows, a whole number of chunks for
+            channel-wise keys, laid out as in `segment_attention_reference`): rows [0, n_hist) hold positions S + j.
         ring_k/v: `[B, H, R, d]`: the recent positions [S + n_hist, S + n_hist + n_recent), position S + n_hist + i at
             slot (ring_lo + i) mod R.
         key_mask: `[B, N]` bool over positions, or None.
@@ -210,8 +218,8 @@ def decode_attention_reference(
     n_sink, n_hist, n_recent, ring_lo, q_start = lengths.long().unbind()
     s, r, d = sink_k.shape[2], ring_k.shape[2], q.shape[-1]
     device = q.device
-    if key_block:
-        hist_k = dequantize_channels(QuantizedBlocks(hist_codes_k, hist_meta_k, 2, key_block))
+    if key_chunk:
+        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k, hist_meta_k, 2, KeyBlockLayout(tuple(key_blocks), key_chunk)))
     else:
         hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3]))
     hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3]))
@@ -240,11 +248,11 @@ def decode_attention_reference(
 
 
 def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
-                     lengths, queries_per_group, scale, key_block=0, kernel: bool = False):
+                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
     selects the Triton kernel `oscar::decode_attention`."""
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-            int(queries_per_group), float(scale), int(key_block))
+            int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk))
     if kernel:
         return torch.ops.oscar.decode_attention(*args)
     return decode_attention_reference(*args)

@@ -19,6 +19,14 @@ Two granularities of (scale, minimum), one packing:
 - channel-wise (`quantize_channels`): one pair per channel per block of `block` consecutive tokens (KIVI's keys);
   meta `[..., L/block, d, 2]`. The codes stay token-major and packed along head_dim exactly as above, so one
   packed row is one token for both granularities and a kernel reads keys and values the same way.
+
+The cache's channel-wise keys give each KV head its own block (`KeyBlockLayout`, allocated at calibration so that
+the heads whose attention suffers most from coarse key ranges get finer blocks, at equal average bits): tokens go in
+chunks of `chunk` (the demotion unit), head h splits each chunk into blocks of `blocks[h]` tokens, and the meta of a
+layer is one tensor `[B, n_chunks, R, d, 2]`, R = Σ_h chunk/blocks[h] rows per chunk, head h owning rows
+offsets[h] .. offsets[h] + chunk/blocks[h] − 1 of each chunk. Token t (row t of the codes) of head h has its
+(scale, minimum) per channel at meta row (t // chunk, offsets[h] + (t % chunk) // blocks[h]). Uniform blocks are the
+special case blocks[h] == chunk (R = H).
 """
 
 from __future__ import annotations
@@ -196,10 +204,106 @@ def dequantize_channels(q: QuantizedBlocks, dtype: torch.dtype = torch.float32) 
     return (codes * meta[..., 0] + meta[..., 1]).to(dtype)
 
 
-def dequantize(q: "QuantizedRows | QuantizedBlocks | torch.Tensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense values of either granularity (a dense tensor is returned as it is, in `dtype`)."""
+@dataclass(frozen=True)
+class KeyBlockLayout:
+    """Where the channel-wise key metadata of one layer lives (module docstring): `blocks[h]` tokens per block of KV
+    head h, each a divisor of `chunk`, the tokens moved into the history at once."""
+
+    blocks: tuple[int, ...]
+    chunk: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+        bad = [b for b in self.blocks if b < 1 or self.chunk % b]
+        if not self.blocks or bad:
+            raise ValueError(f"key blocks {list(self.blocks)} must be non-empty and divide the chunk of {self.chunk} tokens")
+
+    @classmethod
+    def uniform(cls, heads: int, block: int, chunk: int | None = None) -> "KeyBlockLayout":
+        return cls((block,) * heads, chunk or block)
+
+    @property
+    def heads(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def rows_per_chunk(self) -> int:
+        """R: meta rows per chunk, all heads together."""
+        return sum(self.chunk // b for b in self.blocks)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """First meta row of each head within a chunk."""
+        out, row = [], 0
+        for b in self.blocks:
+            out.append(row)
+            row += self.chunk // b
+        return tuple(out)
+
+    def select(self, heads) -> "KeyBlockLayout":
+        """The layout of a subset of the KV heads (tensor-parallel shards, head slicing)."""
+        return KeyBlockLayout(tuple(self.blocks[h] for h in heads), self.chunk)
+
+    def bits_per_element(self, bits: int, meta_bits: int) -> float:
+        """Average key bits per element: codes plus one (scale, minimum) per channel per block."""
+        return bits + 2 * meta_bits * self.rows_per_chunk / (self.chunk * self.heads)
+
+
+@dataclass
+class QuantizedKeyChunks:
+    """Channel-wise keys of one layer in the cache's layout: `codes` `[B, H, L, d·bits/8]` uint8 (one packed row per
+    token) and `meta` `[B, ceil(L/chunk), R, d, 2]` laid out by `layout` (module docstring). L need not fill the last
+    chunk (a view)."""
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    layout: KeyBlockLayout
+
+
+def quantize_key_chunks(x: torch.Tensor, bits: int, layout: KeyBlockLayout,
+                        meta_dtype: str | torch.dtype = "float16") -> QuantizedKeyChunks:
+    """Channel-wise quantization of keys `x` `[B, H, L, d]` (L a multiple of `layout.chunk`), head h over blocks of
+    `layout.blocks[h]` tokens (`quantize_channels` per head)."""
+    b, h, length, d = x.shape
+    if h != layout.heads:
+        raise ValueError(f"key block layout is for {layout.heads} KV heads, got {h}")
+    if length % layout.chunk:
+        raise ValueError(f"keys enter the history in whole chunks of {layout.chunk} tokens, got {length}")
+    chunks = length // layout.chunk
+    codes = x.new_empty(b, h, length, d * bits // 8, dtype=torch.uint8)
+    meta = None
+    for head, (block, offset) in enumerate(zip(layout.blocks, layout.offsets)):
+        q = quantize_channels(x[:, head], bits, block, meta_dtype)  # meta [B, L/block, d, 2]
+        if meta is None:
+            meta = q.meta.new_empty(b, chunks, layout.rows_per_chunk, d, 2)
+        codes[:, head] = q.codes
+        meta[:, :, offset : offset + layout.chunk // block] = q.meta.reshape(b, chunks, layout.chunk // block, d, 2)
+    return QuantizedKeyChunks(codes, meta, bits, layout)
+
+
+def head_blocks(q: QuantizedKeyChunks, head: int) -> QuantizedBlocks:
+    """KV head `head` of `q` as plain channel-wise blocks (`[B, L, ...]`): a view of the codes, the head's meta rows
+    in token order."""
+    block, offset = q.layout.blocks[head], q.layout.offsets[head]
+    per_chunk = q.layout.chunk // block
+    meta = q.meta[:, :, offset : offset + per_chunk]
+    meta = meta.reshape(meta.shape[0], meta.shape[1] * per_chunk, *meta.shape[3:])
+    return QuantizedBlocks(q.codes[:, head], meta, q.bits, block)
+
+
+def dequantize_key_chunks(q: QuantizedKeyChunks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense keys `[B, H, L, d]` in `dtype`."""
+    return torch.stack([dequantize_channels(head_blocks(q, h), dtype) for h in range(q.layout.heads)], dim=1)
+
+
+def dequantize(q: "QuantizedRows | QuantizedBlocks | QuantizedKeyChunks | torch.Tensor",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense values of any granularity (a dense tensor is returned as it is, in `dtype`)."""
     if isinstance(q, torch.Tensor):
         return q.to(dtype)
+    if isinstance(q, QuantizedKeyChunks):
+        return dequantize_key_chunks(q, dtype)
     if isinstance(q, QuantizedBlocks):
         return dequantize_channels(q, dtype)
     return dequantize_rows(q, dtype)

@@ -11,9 +11,12 @@ On disk (a folder, or a Hub repo where it sits beside the model's own files):
   library versions.
 
 Format versions: 1 (no key means), 2 (key means present), 3 (adds `layout`: the storage layout the rotations and
-clips were fitted for — `key_granularity` and `demotion_block`, the block of channel-wise keys). Versions 1 and 2 were
-written for token-wise keys demoted in blocks of 8 and load with that layout; `OscarCache` follows a file's layout
-unless given a config (and warns when the config's layout differs from the file's).
+clips were fitted for — `key_granularity` and `demotion_block`, then also the block of channel-wise keys), 4 (the
+layout adds `key_block` and `key_block_allocation`; with a fitted allocation the JSON's `key_blocks` gives each OSCAR
+layer's channel-wise key block per KV head, `{"layer": [blocks]}`). Versions 1 and 2 were written for token-wise keys
+demoted in blocks of 8, version 3 for one key block (its demotion_block) everywhere, and load with that layout;
+`OscarCache` follows a file's layout unless given a config (and warns when the config's layout differs from the
+file's).
 
 Loading never unpickles (safetensors + JSON only) and validates shapes, finiteness and orthogonality; `validate_for`
 checks the file against a model config and names the field and both values on mismatch.
@@ -43,10 +46,11 @@ from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
 FORMAT_NAME = "oscar-rotations"
-FORMAT_VERSION = 3  # the version written
-READABLE_VERSIONS = (1, 2, 3)
-LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8}  # what format 1 and 2 files were calibrated for
-LAYOUT_FIELDS = ("key_granularity", "demotion_block")
+FORMAT_VERSION = 4  # the version written
+READABLE_VERSIONS = (1, 2, 3, 4)
+# what format 1 and 2 files were calibrated for
+LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8, "key_block": 8, "key_block_allocation": "uniform"}
+LAYOUT_FIELDS = ("key_granularity", "demotion_block", "key_block", "key_block_allocation")
 WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_rotations.json"
 ROTATIONS_SUBFOLDER = "oscar"  # where rotations sit inside a model folder or repo
@@ -72,6 +76,8 @@ class OscarRotations:
         key_means: `{layer: [H_kv, d]}` key means to subtract before storage (`OscarConfig.center_keys`), or `None`.
         layout: the storage layout the rotations were fitted for (`LAYOUT_FIELDS` of `OscarConfig`); default: the
             default `OscarConfig`'s.
+        key_blocks: `{layer: (block per KV head, ...)}` channel-wise key blocks allocated at calibration
+            (`OscarConfig.key_block_allocation="fitted"`), or `None`.
     """
 
     def __init__(
@@ -86,10 +92,14 @@ class OscarRotations:
         metadata: dict[str, Any] | None = None,
         key_means: dict[int, torch.Tensor] | None = None,
         layout: dict[str, Any] | None = None,
+        key_blocks: dict[int, Any] | None = None,
     ):
         self.geometry = dict(geometry)
         default = OscarConfig()
-        self.layout = {name: getattr(default, name) for name in LAYOUT_FIELDS} | dict(layout or {})
+        layout = dict(layout or {})
+        if "demotion_block" in layout and "key_block" not in layout:  # a layout of one key block (format 3)
+            layout = {"key_block": layout["demotion_block"], "key_block_allocation": "uniform"} | layout
+        self.layout = {name: getattr(default, name) for name in LAYOUT_FIELDS} | layout
         try:
             OscarConfig(**self.layout)
         except (TypeError, ValueError) as e:
@@ -101,6 +111,11 @@ class OscarRotations:
         self.key_clips = {int(k): float(v) for k, v in key_clips.items()} if key_clips else None
         self.value_clips = {int(k): float(v) for k, v in value_clips.items()} if value_clips else None
         self.key_means = {int(k): v.float().contiguous() for k, v in key_means.items()} if key_means else None
+        try:
+            self.key_blocks = ({int(k): tuple(int(b) for b in v) for k, v in key_blocks.items()}
+                               if key_blocks else None)
+        except (TypeError, ValueError, AttributeError):
+            raise RotationFileError(f"key_blocks must map layers to lists of integers, got {key_blocks!r}") from None
         self.metadata = dict(metadata or {})
         self._check_consistency()
 
@@ -116,6 +131,10 @@ class OscarRotations:
 
     def key_mean(self, layer: int) -> torch.Tensor | None:
         return None if self.key_means is None else self.key_means[layer]
+
+    def key_block(self, layer: int) -> tuple[int, ...] | None:
+        """The channel-wise key block of each KV head of `layer` allocated at calibration, or None."""
+        return None if self.key_blocks is None else self.key_blocks[layer]
 
     def key_clip(self, layer: int) -> float | None:
         return None if self.key_clips is None else self.key_clips.get(layer)
@@ -193,6 +212,15 @@ class OscarRotations:
                     )
                 if not torch.isfinite(mean).all():
                     raise RotationFileError(f"layers.{layer}.key_mean contains NaN or Inf")
+        if self.key_blocks is not None:
+            if set(self.key_blocks) != set(self.key_rotations):
+                raise RotationFileError(f"key blocks cover layers {sorted(self.key_blocks)}, rotations cover {self.layers}")
+            chunk = int(self.layout["demotion_block"])
+            for layer, blocks in self.key_blocks.items():
+                if len(blocks) != h or any(b < 1 or chunk % b for b in blocks):
+                    raise RotationFileError(
+                        f"key_blocks of layer {layer} are {list(blocks)}: expected {h} blocks (num_key_value_heads) "
+                        f"that divide the layout's demotion_block {chunk}")
         for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
             if clips is None:
                 continue
@@ -246,6 +274,7 @@ class OscarRotations:
             "layout": self.layout,
             "clip": {"key": clips(self.key_clips), "value": clips(self.value_clips)},
             "center_keys": self.center_keys,
+            "key_blocks": None if self.key_blocks is None else {str(k): list(v) for k, v in sorted(self.key_blocks.items())},
             **self.metadata,
         }
 
@@ -381,6 +410,10 @@ class OscarRotations:
             )
         geometry = meta.pop("model")
         layout = meta.pop("layout", None) if version >= 3 else dict(LEGACY_LAYOUT)
+        if version == 3 and isinstance(layout, dict) and "demotion_block" in layout:
+            # one key block (the demotion block) for every head
+            layout = {"key_block": layout["demotion_block"], "key_block_allocation": "uniform"} | layout
+        key_blocks = meta.pop("key_blocks", None)
         if not isinstance(layout, dict) or set(layout) != set(LAYOUT_FIELDS):
             raise RotationFileError(f"{config_path}: layout must be an object with the fields {list(LAYOUT_FIELDS)}, "
                                     f"got {layout!r}")
@@ -397,6 +430,7 @@ class OscarRotations:
             metadata=meta,
             key_means=tables["key_mean"] or None,
             layout=layout,
+            key_blocks=key_blocks,
         )
 
     def push_to_hub(

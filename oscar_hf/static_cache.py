@@ -141,7 +141,7 @@ class StaticOscarLayer(OscarLayer):
         capacity = -(-max(self.max_cache_len - s, 0) // b) * b + b
         kernel = ops.use_kernels(key_states, ops.attention_layout_problem(
             d, d // (cfg.group_size or d), 0 if self.history_keys.channelwise else d // (cfg.group_size or d),
-            b if self.history_keys.channelwise else 0))
+            self.history_keys.kernel_key_layout[0]))
         for history in (self.history_keys, self.history_values):
             history.allocate_static(key_states, capacity)
             history.kernel = kernel
@@ -219,7 +219,7 @@ class StaticOscarLayer(OscarLayer):
         due = (k >= 0) & (excess % b == 0)
         target = torch.where(due, k, self.scratch_row // b).reshape(1)
         slots = (k.clamp(min=0) * b + self.block_offsets) % r
-        self.history_keys.write_blocks_at(self.ring_keys.index_select(2, slots), target)
+        self.history_keys.write_chunks_at(self.ring_keys.index_select(2, slots), target)
 
     def _store_chunk(self, keys: torch.Tensor, values: torch.Tensor, view: bool = True) -> LayerView | None:
         """Several tokens (eager; one host synchronisation per pass, in `DecodePlan.advance`). Returns the attention
@@ -251,7 +251,7 @@ class StaticOscarLayer(OscarLayer):
             split = max(lo, min(l0, s + nh1))  # [lo, split) are past tokens, in the ring
             old = self.ring_keys.index_select(2, (torch.arange(lo, split, device=device) - s) % r)
             dense = torch.cat([old, rk[:, :, max(lo, l0) - l0 : max(s + nh1 - l0, 0)]], dim=2)
-            self.history_keys.write_blocks_at(dense, torch.arange(nh0 // b, nh1 // b, device=device))
+            self.history_keys.write_chunks_at(dense, torch.arange(nh0 // b, nh1 // b, device=device))
         # ring: the newest tokens beyond the sink (at most R of them matter)
         ring_first = max(first, l1 - r)
         if l1 > ring_first:
@@ -382,7 +382,8 @@ class StaticOscarCache(OscarCache):
             if kind == "oscar":
                 layers.append(StaticOscarLayer(*self._layer_arguments(i, rotations, config), plan=self.plan,
                                                max_cache_len=max_cache_len,
-                                               key_mean=self._local_heads(i, rotations.key_mean(i))))
+                                               key_mean=self._local_heads(i, rotations.key_mean(i)),
+                                               key_blocks=self._key_blocks(i, rotations, config)))
             else:
                 layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len,
                                                        sliding_window=geometry.sliding_windows[i]))

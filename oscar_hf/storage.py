@@ -5,8 +5,10 @@ cap capacity in tokens, d head_dim):
 
 - codes `[B, H, cap, d·bits/8]` uint8, one packed row per token (planar packing, `quant.py`), for both granularities;
 - token-wise meta `[B, H, cap, d/group_size, 2]`: (scale, minimum) per group of channels of each token;
-- channel-wise meta `[B, H, cap/block, d, 2]`: (scale, minimum) per channel of each block of `block` tokens. Tokens
-  arrive a whole block at a time (the cache demotes in blocks), so a block is quantized once and never touched again;
+- channel-wise meta `[B, cap/chunk, R, d, 2]`: (scale, minimum) per channel of each block of tokens, KV head h in
+  blocks of `layout.blocks[h]` tokens, all heads' blocks of one chunk of `layout.chunk` tokens in one slab of R rows
+  (`quant.KeyBlockLayout`). Tokens arrive a whole chunk at a time (the cache demotes in chunks), so a block is
+  quantized once and never touched again;
 - bits == 16: `dense` `[B, H, cap, d]` in the model dtype (no quantization; the cache-logic check).
 
 Rows `[0, length)` are valid. 2-bit rows are written by `ops.quantize_pack` (the fused Triton kernel on CUDA, its
@@ -21,7 +23,8 @@ import torch
 
 from . import ops
 from .config import DTYPES
-from .quant import QuantizedBlocks, QuantizedRows, clip_rows, dequantize, quantize_channels, quantize_rows
+from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize, quantize_key_chunks,
+                    quantize_rows)
 
 GRANULARITIES = ("token", "channel")
 _BULK_RESERVE = 256  # spare rows after a bulk (prefill) append
@@ -33,19 +36,22 @@ class QuantizedHistory:
     Args:
         bits: code width (16 = stored dense).
         granularity: `"token"` (a scale/minimum per group of `group_size` channels of each token) or `"channel"` (per
-            channel per block of `block` tokens).
-        group_size: channels per token-wise group. block: tokens per channel-wise block.
+            channel per block of tokens, laid out by `layout`).
+        group_size: channels per token-wise group. layout: the channel-wise blocks of each KV head (`KeyBlockLayout`;
+            required for `"channel"`).
         scale_dtype: dtype of the scale and minimum. clip_ratio: per-row clip before token-wise quantization.
     """
 
-    def __init__(self, bits: int, granularity: str, group_size: int, block: int, scale_dtype: str, clip_ratio: float,
-                 head_dim: int):
+    def __init__(self, bits: int, granularity: str, group_size: int, layout: KeyBlockLayout | None, scale_dtype: str,
+                 clip_ratio: float, head_dim: int):
         if granularity not in GRANULARITIES:
             raise ValueError(f"history granularity must be one of {GRANULARITIES}, got {granularity!r}")
         self.bits = bits
         self.granularity = granularity if bits < 16 else "token"
+        if self.granularity == "channel" and layout is None:
+            raise ValueError("a channel-wise history needs a KeyBlockLayout")
         self.group_size = group_size
-        self.block = block
+        self.layout = layout if self.granularity == "channel" else None
         self.scale_dtype = scale_dtype
         self.clip_ratio = clip_ratio
         self.head_dim = head_dim
@@ -58,6 +64,20 @@ class QuantizedHistory:
         return self.granularity == "channel"
 
     @property
+    def chunk(self) -> int:
+        """Tokens that enter a channel-wise history together (1 for token-wise histories)."""
+        return self.layout.chunk if self.channelwise else 1
+
+    @property
+    def kernel_key_layout(self) -> tuple[list[int], int]:
+        """(blocks per KV head, chunk) as the attention ops take them; `([], 0)` for token-wise keys."""
+        return (list(self.layout.blocks), self.layout.chunk) if self.channelwise else ([], 0)
+
+    def _row_dim(self, name: str) -> int:
+        """The buffer dimension that runs along tokens (chunks for channel-wise meta)."""
+        return 1 if name == "meta" and self.channelwise else 2
+
+    @property
     def capacity(self) -> int:
         return self.buffers["dense" if self.bits == 16 else "codes"].shape[2] if self.buffers else 0
 
@@ -67,8 +87,11 @@ class QuantizedHistory:
             return {"dense": torch.empty(batch, heads, capacity, d, dtype=dtype, device=device)}
         meta_dtype = DTYPES[self.scale_dtype]
         if self.channelwise:
-            capacity = -(-capacity // self.block) * self.block
-            meta = torch.empty(batch, heads, capacity // self.block, d, 2, dtype=meta_dtype, device=device)
+            if heads != self.layout.heads:
+                raise ValueError(f"the key block layout is for {self.layout.heads} KV heads, the states have {heads}")
+            chunk = self.layout.chunk
+            capacity = -(-capacity // chunk) * chunk
+            meta = torch.empty(batch, capacity // chunk, self.layout.rows_per_chunk, d, 2, dtype=meta_dtype, device=device)
         else:
             meta = torch.empty(batch, heads, capacity, d // self.group_size, 2, dtype=meta_dtype, device=device)
         codes = torch.empty(batch, heads, capacity, d * self.bits // 8, dtype=torch.uint8, device=device)
@@ -80,9 +103,9 @@ class QuantizedHistory:
         self.length = 0
 
     def allocate_static(self, rows: torch.Tensor, capacity: int) -> None:
-        """Zero-filled buffers for `capacity` rows (a whole number of blocks) with the batch, heads, dtype and device
+        """Zero-filled buffers for `capacity` rows (a whole number of chunks) with the batch, heads, dtype and device
         of `rows`, never reallocated afterwards: the static cache's history, written at device-side indices
-        (`write_rows_at`, `write_blocks_at`) so that a captured decode step has fixed shapes and addresses."""
+        (`write_rows_at`, `write_chunks_at`) so that a captured decode step has fixed shapes and addresses."""
         self.buffers = {name: buf.zero_() for name, buf in
                         self._allocate(rows.shape[0], rows.shape[1], capacity, rows.dtype, rows.device).items()}
         self.length = 0
@@ -94,13 +117,14 @@ class QuantizedHistory:
             return {"dense": rows}
         if self.bits == 2:  # through ops: the Triton kernel on CUDA
             codes = rows.new_empty(b, h, n, d // 4, dtype=torch.uint8)
-            meta_shape = (b, h, n // self.block, d, 2) if self.channelwise else (b, h, n, d // self.group_size, 2)
+            meta_shape = ((b, n // self.chunk, self.layout.rows_per_chunk, d, 2) if self.channelwise
+                          else (b, h, n, d // self.group_size, 2))
             meta = rows.new_empty(meta_shape, dtype=DTYPES[self.scale_dtype])
             ops.quantize_pack(rows, None, 1.0 if self.channelwise else self.clip_ratio, codes, meta, 0,
-                              self.block if self.channelwise else 0, kernel=self.kernel)
+                              *self.kernel_key_layout, kernel=self.kernel)
             return {"codes": codes, "meta": meta}
         if self.channelwise:
-            q = quantize_channels(rows, self.bits, self.block, self.scale_dtype)
+            q = quantize_key_chunks(rows, self.bits, self.layout, self.scale_dtype)
         else:
             q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
         return {"codes": q.codes, "meta": q.meta}
@@ -109,23 +133,23 @@ class QuantizedHistory:
         """Token-wise: quantizes rows `[B, H, n, d]` (rotated) into rows `index` (`[n]` int64, on the device) of the
         buffers. No host synchronisation; `length` is left to the caller."""
         if self.channelwise:
-            raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole blocks")
+            raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole chunks")
         for name, t in self._quantized(rows).items():
             self.buffers[name].index_copy_(2, index, t)
 
-    def write_blocks_at(self, rows: torch.Tensor, block_index: torch.Tensor) -> None:
-        """Channel-wise: quantizes `len(block_index)` whole blocks of rows `[B, H, nb·block, d]` (rotated) into blocks
-        `block_index` (`[nb]` int64, on the device). No host synchronisation."""
+    def write_chunks_at(self, rows: torch.Tensor, chunk_index: torch.Tensor) -> None:
+        """Channel-wise: quantizes `len(chunk_index)` whole chunks of rows `[B, H, nc·chunk, d]` (rotated) into chunks
+        `chunk_index` (`[nc]` int64, on the device). No host synchronisation."""
         if not self.channelwise:
-            raise ValueError("write_blocks_at is for channel-wise histories")
-        offsets = torch.arange(self.block, device=block_index.device)
-        row_index = (block_index[:, None] * self.block + offsets[None, :]).reshape(-1)
+            raise ValueError("write_chunks_at is for channel-wise histories")
+        offsets = torch.arange(self.chunk, device=chunk_index.device)
+        row_index = (chunk_index[:, None] * self.chunk + offsets[None, :]).reshape(-1)
         q = self._quantized(rows)
         self.buffers["codes"].index_copy_(2, row_index, q["codes"])
-        self.buffers["meta"].index_copy_(2, block_index, q["meta"])
+        self.buffers["meta"].index_copy_(1, chunk_index, q["meta"])
 
     def _meta_rows(self, tokens: int) -> int:
-        return tokens // self.block if self.channelwise else tokens
+        return tokens // self.chunk if self.channelwise else tokens
 
     def reserve(self, rows: torch.Tensor, needed: int, bulk: bool, extra: int | None = None) -> None:
         """Grows the buffers to hold `needed` rows: exact plus a small reserve after a bulk append, geometric
@@ -138,34 +162,34 @@ class QuantizedHistory:
         new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)
         for name, buf in self.buffers.items():
             n = self._meta_rows(self.length) if name == "meta" else self.length
-            new[name][:, :, :n] = buf[:, :, :n]
+            new[name].narrow(self._row_dim(name), 0, n).copy_(buf.narrow(self._row_dim(name), 0, n))
         self.buffers = new
 
     def append(self, rows: torch.Tensor, bulk: bool, rotation: torch.Tensor | None = None) -> None:
         """Appends `rows` `[B, H, n, d]` after the valid history: rotated by `rotation` `[H, d, d]` first if given
         (otherwise already rotated), then clipped (token-wise), quantized and packed. Channel-wise histories take
-        whole blocks only."""
+        whole chunks only."""
         n = rows.shape[2]
         if n == 0:
             return
-        if self.channelwise and (n % self.block or self.length % self.block):
+        if self.channelwise and (n % self.chunk or self.length % self.chunk):
             raise ValueError(
-                f"channel-wise history appends whole blocks of {self.block} tokens (got {n} after {self.length})"
+                f"channel-wise history appends whole chunks of {self.chunk} tokens (got {n} after {self.length})"
             )
         self.reserve(rows, self.length + n, bulk)
         start, end = self.length, self.length + n
         if self.bits == 2:
             ops.quantize_pack(rows, rotation, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                              self.buffers["meta"], start, self.block if self.channelwise else 0)
+                              self.buffers["meta"], start, *self.kernel_key_layout)
         else:
             if rotation is not None:
                 rows = torch.matmul(rows, rotation)
             if self.bits == 16:
                 self.buffers["dense"][:, :, start:end] = rows
             elif self.channelwise:
-                q = quantize_channels(rows, self.bits, self.block, self.scale_dtype)
+                q = quantize_key_chunks(rows, self.bits, self.layout, self.scale_dtype)
                 self.buffers["codes"][:, :, start:end] = q.codes
-                self.buffers["meta"][:, :, start // self.block : end // self.block] = q.meta
+                self.buffers["meta"][:, start // self.chunk : end // self.chunk] = q.meta
             else:
                 q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
                 self.buffers["codes"][:, :, start:end] = q.codes
@@ -173,28 +197,28 @@ class QuantizedHistory:
         self.length = end
 
     def truncate(self, length: int) -> torch.Tensor | None:
-        """Keeps the first `length` rows. A channel-wise history keeps whole blocks: the valid rows of a cut block
+        """Keeps the first `length` rows. A channel-wise history keeps whole chunks: the valid rows of a cut chunk
         are returned dequantized `[B, H, r, d]` float32 (exactly what was stored, for the caller to keep in full precision),
         else None."""
         if length >= self.length:
             return None
         tail = None
-        if self.channelwise and length % self.block:
-            kept = length // self.block * self.block
-            tail = dequantize(self.packed(kept, kept + self.block), torch.float32)[:, :, : length - kept]
+        if self.channelwise and length % self.chunk:
+            kept = length // self.chunk * self.chunk
+            tail = dequantize(self.packed(kept, kept + self.chunk), torch.float32)[:, :, : length - kept]
             length = kept
         self.length = length
         return tail
 
-    def packed(self, start: int, end: int) -> QuantizedRows | QuantizedBlocks | torch.Tensor:
-        """Rows `[start, end)` as a view: `QuantizedRows` (token-wise), `QuantizedBlocks` (channel-wise; `start` on a
-        block boundary, the blocks covering `end`), or a dense tensor when bits == 16."""
+    def packed(self, start: int, end: int) -> QuantizedRows | QuantizedKeyChunks | torch.Tensor:
+        """Rows `[start, end)` as a view: `QuantizedRows` (token-wise), `QuantizedKeyChunks` (channel-wise; `start`
+        on a chunk boundary, the chunks covering `end`), or a dense tensor when bits == 16."""
         b = self.buffers
         if self.bits == 16:
             return b["dense"][:, :, start:end]
         if self.channelwise:
-            return QuantizedBlocks(b["codes"][:, :, start:end], b["meta"][:, :, start // self.block : -(-end // self.block)],
-                                   self.bits, self.block)
+            return QuantizedKeyChunks(b["codes"][:, :, start:end], b["meta"][:, start // self.chunk : -(-end // self.chunk)],
+                                      self.bits, self.layout)
         return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -210,5 +234,6 @@ class QuantizedHistory:
             size = buf.numel() * buf.element_size()
             rows = self._meta_rows(self.length) if name == "meta" else self.length
             allocated += size
-            used += size * rows // buf.shape[2] if buf.shape[2] else 0
+            total = buf.shape[self._row_dim(name)]
+            used += size * rows // total if total else 0
         return allocated, used

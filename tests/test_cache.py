@@ -7,7 +7,7 @@ from oscar_hf.quant import fake_quantize, fake_quantize_channels
 
 H, D = 2, 16
 # token-wise keys (the paper's layout) and channel-wise keys (the default) at tiny windows and blocks
-SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip=0.9, value_clip=1.0, key_granularity="token")
+SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip=0.9, value_clip=1.0, key_granularity="token")
 CHANNEL = SMALL.replace(key_granularity="channel")
 
 
@@ -70,10 +70,27 @@ def test_channelwise_keys_are_quantized_per_channel_over_each_demoted_block():
     kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
     past_k, past_v = _past(layer)
     meta, codes = layer.history_keys.buffers["meta"], layer.history_keys.buffers["codes"]
-    assert layer.history_keys.length == 16 and meta.shape[3:] == (D, 2) and meta.shape[2] * 4 == codes.shape[2]
+    # one slab of H rows (one block per head) per demoted block of 4 tokens
+    assert layer.history_keys.length == 16 and meta.shape[2:] == (H, D, 2) and meta.shape[1] * 4 == codes.shape[2]
     assert torch.equal(past_k[:, :, 4:20], fake_quantize_channels(kr[:, :, 4:20], 2, 4))
     assert not torch.equal(past_k[:, :, 4:20], fake_quantize(kr[:, :, 4:20], 2, D, 1.0))
     assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))  # values stay token-wise
+
+
+def test_each_kv_head_keeps_its_own_key_block():
+    config = CHANNEL.replace(demotion_block=8, key_block=4)
+    layer = _layer(config, key_blocks=(8, 4))
+    k, v = _states(37)
+    k = k * torch.linspace(0.1, 10, D) + torch.linspace(-5, 5, D)
+    _feed(layer, k, v, [20, 1, 1, 15])  # a prefill, then demotions of whole chunks of 8 during decoding
+    kr = rotate(k, layer.key_rotation)
+    past_k, _ = _past(layer)
+    n = layer.history_keys.length
+    assert n == 24 and layer.history_keys.buffers["meta"].shape[2] == 1 + 2  # rows per chunk: 8/8 + 8/4
+    assert torch.equal(past_k[:, 0, 4 : 4 + n], fake_quantize_channels(kr[:, 0, 4 : 4 + n], 2, 8))
+    assert torch.equal(past_k[:, 1, 4 : 4 + n], fake_quantize_channels(kr[:, 1, 4 : 4 + n], 2, 4))
+    # bytes in use: the codes, and 3 chunks x 3 meta rows x D channels x (scale, minimum) in float16
+    assert layer.history_keys.nbytes()[1] == n * H * D // 4 + 3 * 3 * D * 2 * 2
 
 
 def test_crop_into_a_channelwise_block_returns_its_tokens_to_the_window():
@@ -160,11 +177,12 @@ def test_reset_and_reuse():
 @pytest.mark.parametrize("layout", ["paper", "default"])
 def test_memory_at_128k_matches_the_accounting(layout):
     # The paper's layout (token-wise keys, demotion 8) keeps 64 + 256 BF16 tokens at 128K: 2.2836 bits, its "2.28".
-    # The default (keys channel-wise over blocks of 64: 2.5 bits; values 2.25) keeps 64 + 256 too at 131072 tokens.
+    # The default (keys channel-wise over blocks of 64 on average: 2.5 bits; values 2.25; demotion in chunks of 128)
+    # keeps 64 + 320 at 131072 tokens (the window holds 256 to 383).
     config = OscarConfig(key_clip="none", value_clip="none")
-    history_bits = 2.375
+    history_bits, exact_tokens = 2.375, 384
     if layout == "paper":
-        config, history_bits = config.replace(key_granularity="token", demotion_block=8), 2.25
+        config, history_bits, exact_tokens = config.replace(key_granularity="token", demotion_block=8), 2.25, 320
     n = 131072
     rk = torch.eye(128).expand(1, 128, 128)
     layer = OscarLayer(rk, rk, 1.0, 1.0, config, max_cache_len=n)
@@ -172,15 +190,15 @@ def test_memory_at_128k_matches_the_accounting(layout):
     layer.update(k, k)
     m = layer.memory_bytes()
     used_bits = 8 * m["used"] / m["elements"]
-    assert layer.n_sink + layer.n_recent == 320
-    assert used_bits == pytest.approx(history_bits + 320 * (16 - history_bits) / n, rel=1e-9)
+    assert layer.n_sink + layer.n_recent == exact_tokens
+    assert used_bits == pytest.approx(history_bits + exact_tokens * (16 - history_bits) / n, rel=1e-9)
     # allocated: the window's spare room for one more demotion block is all that is reserved beyond the used bytes
     spare = config.demotion_block * 128 * 2 * 2 * 8 / m["elements"]
     assert used_bits <= 8 * m["allocated"] / m["elements"] <= used_bits + spare + 1e-9
 
 
 def test_bits_16_keeps_a_dense_history():
-    layer = _layer(OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_clip="none", value_clip="none"))
+    layer = _layer(OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip="none", value_clip="none"))
     k, v = _states(30)
     layer.update(k, v)
     past_k, _ = _past(layer)

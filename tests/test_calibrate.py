@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, tiny_model
-from oscar_hf import OscarCache, OscarConfig, UnsupportedModelError
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, UnsupportedModelError
 from oscar_hf.calibrate import StatisticsCollector, attention_column_energy, calibrate, capturing
 from oscar_hf.models import model_geometry
 from oscar_hf.rotation import hadamard, orthogonality_error
@@ -12,7 +12,7 @@ from oscar_hf.rotation import hadamard, orthogonality_error
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
 SMALL = dict(calibration_tokens=256, calibration_sequence_length=128, heldout_tokens=64, sink_tokens=4,
-             window_tokens=8, demotion_block=4, clip_grid=(0.7, 0.85, 1.0))
+             window_tokens=8, demotion_block=4, key_block=4, clip_grid=(0.7, 0.85, 1.0))
 
 
 @pytest.fixture
@@ -166,10 +166,56 @@ def test_the_key_basis_choice_keeps_the_basis_with_the_lower_heldout_error():
     value = torch.randn(2, t, d, generator=g)
     calibrated = torch.linalg.qr(torch.randn(2, d, d, generator=g, dtype=torch.float64))[0]
     candidates = key_basis_candidates(calibrated)
-    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16)
+    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16)
     errors = key_basis_errors(query, key, value, candidates, d ** -0.5, config)
     assert errors["identity"][0] < 0.1 * errors["hadamard"][0]  # a rotation spreads the flipping channel everywhere
     rotation, names = choose_key_basis(candidates, errors)
     assert names[0] == "identity" and torch.equal(rotation[0], candidates["identity"][0])
     shared, shared_names = choose_key_basis(candidates, errors, per_head=False)
     assert shared_names[0] == shared_names[1] and torch.equal(shared[0], shared[1])
+
+
+def test_key_block_allocation_is_the_exact_optimum_within_the_budget():
+    import itertools
+
+    from oscar_hf.calibrate import allocate_key_blocks
+
+    config = OscarConfig()  # chunks of 128, blocks 32 / 64 / 128 at the metadata of 64 everywhere
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        errors = {layer: {b: torch.rand(2, generator=g) * (1 + b / 64) for b in (32, 64, 128)} for layer in (0, 3)}
+        chosen = allocate_key_blocks(errors, config)
+        rows = lambda blocks: sum(128 // b for b in blocks)  # noqa: E731
+        total = lambda blocks: sum(float(errors[l][b][h]) for (l, h), b in zip([(0, 0), (0, 1), (3, 0), (3, 1)], blocks))  # noqa: E731
+        feasible = [c for c in itertools.product((32, 64, 128), repeat=4) if rows(c) <= 4 * 2]
+        flat = chosen[0] + chosen[3]
+        assert rows(flat) <= 8 and total(flat) == pytest.approx(min(total(c) for c in feasible), abs=1e-12)
+    # three heads whose error falls evenly with the metadata rows: one head at 32 and two at 128 (error 1 + 2 + 2)
+    # lose to 64 everywhere (1.5 x 3)
+    even = {0: {32: torch.full((3,), 1.0), 64: torch.full((3,), 1.5), 128: torch.full((3,), 2.0)}}
+    assert allocate_key_blocks(even, config) == {0: (64, 64, 64)}
+
+
+def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_file, tmp_path, monkeypatch):
+    import oscar_hf.calibrate as calibration
+
+    model = tiny_model("llama", attn="sdpa")
+    config = OscarConfig(**{**SMALL, "demotion_block": 32, "key_block": 16})  # choices 16, 32, 8
+    # the tiny model has 3 layers x 2 KV heads: too few to allocate between by default
+    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False).key_blocks is None
+    monkeypatch.setattr(calibration, "MIN_ALLOCATION_HEADS", 6)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
+    assert set(rot.key_blocks) == set(rot.layers)
+    blocks = [b for layer in rot.layers for b in rot.key_blocks[layer]]
+    assert set(blocks) <= {8, 16, 32} and sum(32 // b for b in blocks) <= 2 * len(blocks)  # within the budget
+    assert "key blocks per KV head (tokens): " in rot.report.summary()
+    info = rot.metadata["key_block_allocation"]
+    assert info["average_key_bits"] <= 2 + 32 / 16 + 1e-9 and set(info["errors"]["0"]) == {"8", "16", "32"}
+    rot.save_pretrained(tmp_path)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.key_blocks == rot.key_blocks and loaded.layout["demotion_block"] == 32
+    model.set_attn_implementation("oscar")
+    cache = OscarCache(model, loaded)
+    assert [cache.layers[l].key_layout.blocks for l in rot.layers] == [rot.key_blocks[l] for l in rot.layers]
+    uniform = OscarCache(model, loaded, loaded_config := OscarConfig(**{**loaded.layout, "key_block_allocation": "uniform"}))
+    assert uniform.layers[0].key_layout.blocks == (16, 16) and loaded_config.key_block == 16

@@ -99,7 +99,7 @@ def test_file_round_trip_with_means(tmp_path):
     rot = centered_data_free(model)
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["center_keys"] is True and meta["format_version"] == 3
+    assert meta["center_keys"] is True and meta["format_version"] == 4
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.center_keys and set(loaded.key_means) == set(rot.key_means)
     for layer, mean in rot.key_means.items():
@@ -110,7 +110,7 @@ def test_old_format_file_loads_without_means_in_its_token_wise_layout(tmp_path):
     model = tiny_model("llama")
     OscarRotations.data_free(model.config).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 3 and meta["layout"]["key_granularity"] == "channel"
+    assert meta["format_version"] == 4 and meta["layout"]["key_granularity"] == "channel"
     del meta["center_keys"], meta["layout"]  # exactly what the first oscar-hf release wrote
     meta["format_version"] = 1
     layers = [str(i) for i in model_geometry(model.config).oscar_layers]
@@ -118,7 +118,8 @@ def test_old_format_file_loads_without_means_in_its_token_wise_layout(tmp_path):
     (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.key_means is None and not loaded.center_keys
-    assert loaded.layout == {"key_granularity": "token", "demotion_block": 8}  # what it was calibrated for
+    assert loaded.layout == {"key_granularity": "token", "demotion_block": 8, "key_block": 8,
+                             "key_block_allocation": "uniform"}  # what it was calibrated for
     cache = OscarCache(model, loaded, None)
     assert cache.oscar_config.key_granularity == "token" and cache.oscar_config.demotion_block == 8
 

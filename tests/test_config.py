@@ -5,8 +5,9 @@ from oscar_hf import OscarConfig
 
 def test_defaults_and_their_bits():
     c = OscarConfig()
-    assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block, c.key_granularity) == (2, 64, 256, 64, "channel")
-    # keys: 2 + 32/64 per channel per block of 64 tokens; values: 2 + 32/head_dim per token
+    assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block, c.key_granularity) == (2, 64, 256, 128, "channel")
+    assert (c.key_block, c.key_block_allocation, c.key_block_choices) == (64, "fitted", (64, 128, 32))
+    # keys: 2 + 32/64 per channel per block of 64 tokens on average; values: 2 + 32/head_dim per token
     assert c.history_bits_per_element(128) == (2.5 + 2.25) / 2
     assert c.history_bits_per_element(64) == 2.5
     paper = OscarConfig(key_granularity="token", demotion_block=8)
@@ -19,7 +20,8 @@ def test_defaults_and_their_bits():
     "field,value",
     [
         ("bits", 5), ("bits", True), ("group_size", 0), ("sink_tokens", -1), ("window_tokens", 1.5),
-        ("demotion_block", 0), ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
+        ("demotion_block", 0), ("key_block", 0), ("key_block", 48), ("key_block_allocation", "greedy"),
+        ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
         ("scale_dtype", "int8"), ("key_granularity", "row"), ("choose_key_basis", "yes"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
         ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),
     ],
@@ -63,3 +65,17 @@ def test_clip_ratio_resolution():
         c.clip_ratio("key", None)
     assert OscarConfig(key_clip="none").clip_ratio("key", 0.9) == 1.0
     assert OscarConfig(value_clip=0.92).clip_ratio("value", 0.5) == 0.92
+
+
+def test_key_blocks_follow_the_allocation_or_the_uniform_block():
+    c = OscarConfig()
+    assert c.key_blocks(3, None) == (64, 64, 64)  # rotations without an allocation
+    assert c.key_blocks(3, [32, 128, 64]) == (32, 128, 64)
+    assert c.replace(key_block_allocation="uniform").key_blocks(2, [32, 128]) == (64, 64)
+    assert c.replace(key_block_allocation="uniform").key_block_choices == (64,)
+    assert OscarConfig(demotion_block=64).key_block_choices == (64, 32)  # 128 does not divide the demotion block
+    assert OscarConfig(demotion_block=8, key_block=8).key_block_choices == (8,)  # blocks of 4 cannot be packed
+    with pytest.raises(ValueError, match="key blocks \\[32, 256\\] do not fit 2 KV heads"):
+        c.key_blocks(2, [32, 256])
+    with pytest.raises(ValueError, match="do not fit 3 KV heads"):
+        c.key_blocks(3, [64, 64])

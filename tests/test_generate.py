@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 
-SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4)
+SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4)
 OFF = OscarConfig(bits=16, key_clip="none", value_clip="none", **SMALL)  # quantization off, small windows
 INT2 = OscarConfig(bits=2, key_clip=0.9, value_clip=0.95, **SMALL)
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]

@@ -14,7 +14,7 @@ from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
 from test_attention import random_segments
 
 kernels = pytest.importorskip("oscar_hf.kernels", reason="Triton is not installed")
-from oscar_hf.kernels.attention import segment_attention_triton  # noqa: E402
+from oscar_hf.kernels.attention import key_tile, segment_attention_triton  # noqa: E402
 from oscar_hf.kernels.quantize import _order_statistic_abs, quantize_pack_triton  # noqa: E402
 
 import triton  # noqa: E402
@@ -35,7 +35,7 @@ def test_float32_metadata_is_not_rounded_to_16_bits():
     outputs = []
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes, meta = _poisoned(1, 2, 24, 64, 1, torch.float32)
-        op(x, None, 0.9, codes, meta, 0, 0)
+        op(x, None, 0.9, codes, meta, 0, [], 0)
         outputs.append((codes, meta))
     assert torch.equal(outputs[0][1], outputs[1][1]) and torch.equal(outputs[0][0], outputs[1][0])
     assert not torch.equal(outputs[1][1], outputs[1][1].half().float())  # really float32 precision
@@ -65,9 +65,9 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, t
     quantize_pack_reference(x, rotation, ratio, ref_codes, ref_meta, start)
     codes, meta = _poisoned(b, h, cap, d, groups)
     if tiles_per_program is None:
-        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, 0)
+        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, [], 0)
     else:
-        quantize_pack_triton(x, rotation, ratio, codes, meta, start, 0, tiles_per_program=tiles_per_program)
+        quantize_pack_triton(x, rotation, ratio, codes, meta, start, tiles_per_program=tiles_per_program)
     # rows outside [start, start + n) are untouched, rows inside are all written
     assert (codes[:, :, :start] == 0xAA).all() and (codes[:, :, start + n:] == 0xAA).all()
     assert torch.isnan(meta[:, :, start + n:]).all() and not torch.isnan(meta[:, :, start : start + n]).any()
@@ -99,34 +99,53 @@ def test_clip_threshold_by_bisection_equals_the_sorted_value(dtype):
             assert torch.equal(out, reference[:, k]), (d, k)
 
 
-@pytest.mark.parametrize("d,block,rotate,dtype,meta_dtype", [
-    (64, 16, False, torch.bfloat16, torch.float16),
-    (128, 32, True, torch.float16, torch.float16),
-    (64, 64, True, torch.bfloat16, torch.float32),
+@pytest.mark.parametrize("d,blocks,chunk,rotate,dtype,meta_dtype", [
+    (64, (16, 16), 16, False, torch.bfloat16, torch.float16),          # uniform blocks, one per chunk
+    (128, (32, 128), 128, True, torch.float16, torch.float16),         # per-head blocks
+    (64, (128, 64, 32, 128), 128, False, torch.bfloat16, torch.float32),
+    (64, (64, 64), 128, True, torch.bfloat16, torch.float32),          # two blocks of every head per chunk
+    (128, (8, 32), 32, False, torch.float16, torch.bfloat16),          # a block smaller than the kernel's row step
 ])
-def test_channelwise_quantize_pack_matches_the_torch_twin(d, block, rotate, dtype, meta_dtype):
-    from oscar_hf.quant import unpack_2bit_u8
+def test_channelwise_quantize_pack_matches_the_torch_twin(d, blocks, chunk, rotate, dtype, meta_dtype):
+    from oscar_hf.quant import KeyBlockLayout, unpack_2bit_u8
 
-    g = torch.Generator().manual_seed(d + block)
-    b, h, blocks, start = 1, 2, 2, block
-    n, cap = blocks * block, (blocks + 2) * block
+    g = torch.Generator().manual_seed(d + chunk + len(blocks))
+    b, h, chunks, start = 1, len(blocks), 2, chunk
+    n, cap = chunks * chunk, (chunks + 2) * chunk
+    rows_per_chunk = KeyBlockLayout(blocks, chunk).rows_per_chunk
     x = (torch.randn(b, h, n, d, generator=g) * torch.randn(d, generator=g).exp() + torch.randn(d, generator=g)).to(dtype)
     rotation = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].to(dtype) if rotate else None
     outputs = []
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
-        meta = torch.full((b, h, cap // block, d, 2), float("nan"), dtype=meta_dtype)
-        op(x, rotation, 1.0, codes, meta, start, block)
+        meta = torch.full((b, cap // chunk, rows_per_chunk, d, 2), float("nan"), dtype=meta_dtype)
+        op(x, rotation, 1.0, codes, meta, start, list(blocks), chunk)
         outputs.append((codes, meta))
     (ref_codes, ref_meta), (codes, meta) = outputs
-    rows, blk = slice(start, start + n), slice(start // block, (start + n) // block)
+    rows, blk = slice(start, start + n), slice(start // chunk, (start + n) // chunk)
     assert (codes[:, :, :start] == 0xAA).all() and (codes[:, :, start + n:] == 0xAA).all()
-    assert not torch.isnan(meta[:, :, blk]).any() and torch.isnan(meta[:, :, : start // block]).all()
-    assert torch.allclose(meta[:, :, blk].float(), ref_meta[:, :, blk].float(), rtol=1e-2, atol=1e-3)
-    if meta_dtype == torch.float32 and not rotate:
-        assert torch.equal(meta[:, :, blk], ref_meta[:, :, blk])  # no 16-bit rounding of float32 metadata
+    assert not torch.isnan(meta[:, blk]).any() and torch.isnan(meta[:, : start // chunk]).all()
+    assert torch.isnan(meta[:, (start + n) // chunk:]).all()
+    # same arithmetic on the same values: bit for bit (bfloat16 meta aside: the interpreter rounds float32 -> bfloat16
+    # toward zero, the GPU and torch to nearest even)
+    if not rotate and meta_dtype != torch.bfloat16:
+        assert torch.equal(meta[:, blk], ref_meta[:, blk]) and torch.equal(codes[:, :, rows], ref_codes[:, :, rows])
+    assert torch.allclose(meta[:, blk].float(), ref_meta[:, blk].float(), rtol=1e-2, atol=1e-3)
     a, r = unpack_2bit_u8(codes[:, :, rows]).int(), unpack_2bit_u8(ref_codes[:, :, rows]).int()
-    assert (a != r).float().mean().item() <= (0.01 if rotate else 0.0005) and (a - r).abs().max() <= 1
+    inexact = rotate or meta_dtype == torch.bfloat16
+    assert (a != r).float().mean().item() <= (0.01 if inexact else 0.0005) and (a - r).abs().max() <= 1
+
+
+def test_key_block_tables_are_made_once_per_layout():
+    """The attention and quantize launchers read each head's (block, first row) from a device table made on the first
+    call and reused afterwards: a launch inside CUDA-graph capture must not create a tensor."""
+    from oscar_hf.kernels.quantize import key_block_table
+
+    table = key_block_table([32, 128, 64], 128, torch.device("cpu"))
+    assert table.dtype == torch.int32 and table.tolist() == [[32, 0], [128, 4], [64, 5]]
+    assert key_block_table((32, 128, 64), 128, torch.device("cpu")) is table
+    with pytest.raises(ValueError, match="divide"):
+        key_block_table([48], 128, torch.device("cpu"))
 
 
 def _lowp_reference(args):
@@ -142,9 +161,15 @@ def _lowp_reference(args):
     dict(t=3, g=1, d=128, ne=70, nr=4, groups=4),  # a long chunk in the extra segment, causal inside it
     dict(t=1, g=4, d=64, nh=0, mask=False),      # no history yet
     dict(t=2, g=2, d=64, ns=5, nh=0, nr=0),      # batch row 0 is all padding: fully masked rows give 0 and -inf
-    dict(t=1, g=4, d=128, nh=256, key_block=128),  # channel-wise keys: two blocks, decode
-    dict(t=1, g=4, d=128, nh=192, key_block=64),  # tiles of 128 span two blocks; the last tile's second is absent
-    dict(t=3, g=2, d=64, nh=96, key_block=32, groups=2),  # channel-wise keys, tiles smaller than the default
+    dict(t=1, g=4, d=128, nh=256, key_blocks=128, key_chunk=128),  # channel-wise keys: two blocks, decode
+    dict(t=1, g=4, d=128, nh=192, key_blocks=64, key_chunk=64),  # uniform blocks of 64: tiles of 64, not 128
+    dict(t=3, g=2, d=64, nh=96, key_blocks=32, key_chunk=32, groups=2),  # channel-wise keys, tiles smaller than the default
+    dict(t=1, g=4, d=128, nh=256, key_blocks=(32, 128), key_chunk=128),  # per-head blocks: head 1 reads 4 rows per chunk
+    dict(t=1, g=2, d=64, h=4, nh=256, key_blocks=(128, 64, 32, 128), key_chunk=128),  # 4 heads, R = 1 + 2 + 4 + 1
+    dict(t=1, g=4, d=64, h=2, nh=256, key_blocks=(64, 64), key_chunk=128),  # the default micro layout
+    dict(t=5, g=2, d=128, nh=256, key_blocks=(128, 64), key_chunk=128, groups=2),  # a short chunk, per-head blocks
+    dict(t=9, g=2, d=64, h=4, nh=128, key_blocks=(128, 64, 32, 128), key_chunk=128),  # 64-row query tiles
+    dict(t=1, g=2, d=64, h=3, nh=96, key_blocks=(32, 16, 32), key_chunk=32),  # tiles of 32, head 1 split in two 16s
 ])
 def test_segment_attention_kernel_matches_the_twin(case):
     for seed in range(2):
@@ -161,11 +186,58 @@ def test_segment_attention_kernel_matches_the_twin(case):
             assert not valid.all()  # this case exists to check the empty rows
 
 
+@pytest.mark.parametrize("block_n,blocks,tile,split_tile_max", [
+    (128, (32, 64, 128, 64), (64, True), None),  # calibration's mix: tiles of 64, heads of 32 read two rows a tile
+    (128, (128, 64, 32, 128), (64, True), None),
+    (128, (32, 128), (64, True), None),
+    (128, (64, 128), (64, False), None),    # split tiles of 128 measured slower than tiles of 64: the default stops at 64
+    (128, (64, 128), (128, True), 128),     # twice the smallest block, up to block_n and split_tile_max
+    (64, (64, 128), (64, False), 128),      # block_n already holds the smallest block: no split
+    (128, (32, 16, 32), (32, True), None),
+    (128, (16, 64), (32, True), None),
+    (32, (32, 16), (32, True), None),
+    (128, (32, 32), (32, False), None),     # uniform blocks: every head would split, so none does
+    (128, (64, 64), (64, False), None),
+    (128, (16, 16), (16, False), None),
+    (128, (128, 384), (128, False), None),
+    (128, (64, 384), (64, False), None),
+    (128, (64, 384), (128, True), 128),
+    (128, (128, 64, 384), (128, True), 128),
+    (256, (128, 384), (128, False), 256),   # 384 is not a multiple of 256: tiles of 256 would straddle its blocks
+])
+def test_key_tile_is_twice_the_smallest_block_when_blocks_mix(block_n, blocks, tile, split_tile_max):
+    """`key_tile`: the key tile of a launch and whether heads of the smallest block split each tile in two. Every
+    head's block is then the tile, a multiple of it, or half of it, and the tile divides the chunk (a multiple of the
+    largest block)."""
+    assert key_tile(block_n, blocks, split_tile_max) == tile
+    n, split = tile
+    for bk in blocks:
+        assert bk % n == 0 or (split and 2 * bk == n)
+
+
+def test_split_tiles_of_128_give_the_same_attention(monkeypatch):
+    """Split tiles up to block_n (`split_tile_max` 128, an experiment's launch): heads of 64 read two rows per tile of
+    128, on the decode loop and on the plain loop of 64-row query tiles."""
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH
+
+    monkeypatch.setitem(DEFAULT_LAUNCH, "split_tile_max", 128)
+    assert key_tile(128, (64, 128)) == (128, True)
+    for t in (1, 9):
+        args, (ref, ref_lse) = random_segments(t=t, g=2, d=64, h=3, nh=256, key_blocks=(128, 64, 128), key_chunk=128,
+                                               dtype=torch.bfloat16, seed=8)
+        out, lse = segment_attention_triton(*args, block_n=128)
+        valid = torch.isfinite(ref_lse)
+        lowp_err = (_lowp_reference(args) - ref)[valid].abs().max().item()
+        assert (out.double() - ref)[valid].abs().max().item() <= 3 * lowp_err + 1e-2
+        assert torch.allclose(lse.double()[valid], ref_lse[valid], atol=5e-2)
+
+
 @pytest.mark.parametrize("prefetch,l2_ahead", [(False, 0), (True, 0), (False, 2)])
 def test_each_history_loop_of_the_default_layout_gives_the_same_attention(prefetch, l2_ahead):
     # the plain loop (16-bit meta), the register-prefetching loop and the loop that leaves loads in place (L2 hint
-    # off in the interpreter) over (scale, minimum) words: one answer, several splits and a partial last tile
-    args, (ref, ref_lse) = random_segments(t=1, g=4, d=128, nh=448, key_block=64, dtype=torch.bfloat16, seed=5)
+    # off in the interpreter) over (scale, minimum) words: one answer, several splits, per-head blocks
+    args, (ref, ref_lse) = random_segments(t=1, g=4, d=128, h=3, nh=384, key_blocks=(64, 32, 128), key_chunk=128,
+                                           dtype=torch.bfloat16, seed=5)
     out, lse = segment_attention_triton(*args, target_programs=3, prefetch=prefetch, l2_ahead=l2_ahead)
     lowp_err = (_lowp_reference(args) - ref).abs().max().item()
     assert (out.double() - ref).abs().max().item() <= 3 * lowp_err + 1e-2
@@ -183,15 +255,22 @@ def test_many_splits_merge_exactly():
 def test_custom_ops_have_consistent_fake_implementations():
     args, _ = random_segments(t=1, g=2, d=64, nh=20, dtype=torch.bfloat16, seed=4)
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+    args, _ = random_segments(t=1, g=2, d=64, nh=64, key_blocks=(16, 32), key_chunk=32, dtype=torch.bfloat16, seed=4)
+    torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     codes, meta = _poisoned(1, 1, 8, 64, 1)
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, 0),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, [], 0),
+                          test_utils=("test_schema", "test_faketensor"))
+    x = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16)
+    codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
+    meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)  # blocks (32, 16) in chunks of 32: R = 3
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32),
                           test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("config", [
     dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_granularity="token", key_clip=0.9, value_clip="none"),
-    dict(sink_tokens=4, window_tokens=8, demotion_block=16, value_clip="none"),  # channel-wise keys (default)
+    dict(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16, value_clip="none"),  # channel-wise keys (default)
 ], ids=["token", "channel"])
 def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config):
     from conftest import VOCAB, tiny_model
@@ -237,10 +316,10 @@ def test_the_kernels_folder_does_not_shadow_huggingface_kernels(tmp_path):
 def test_layouts_the_decode_kernel_cannot_read_are_refused_by_name(monkeypatch):
     from oscar_hf import ops
 
-    assert "4 quantization groups" in ops.attention_layout_problem(256, 8, 8, 0)  # group_size 32 at head_dim 256
-    assert "head_dim" in ops.attention_layout_problem(32, 1, 1, 0)
-    assert "demotion_block" in ops.attention_layout_problem(128, 1, 0, 48)
-    assert ops.attention_layout_problem(128, 1, 0, 64) is None and ops.attention_layout_problem(64, 4, 4, 0) is None
+    assert "4 quantization groups" in ops.attention_layout_problem(256, 8, 8, [])  # group_size 32 at head_dim 256
+    assert "head_dim" in ops.attention_layout_problem(32, 1, 1, [])
+    assert "key blocks" in ops.attention_layout_problem(128, 1, 0, [64, 48])  # one head's block is enough
+    assert ops.attention_layout_problem(128, 1, 0, [64, 32, 384]) is None and ops.attention_layout_problem(64, 4, 4, []) is None
     args, _ = random_segments(t=1, g=2, d=64, nh=16, groups=8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="quantization groups"):  # the launcher itself never computes it wrongly
         segment_attention_triton(*args)
@@ -250,7 +329,8 @@ def test_layouts_the_decode_kernel_cannot_read_are_refused_by_name(monkeypatch):
 
 
 def test_fp16_states_through_the_kernel():
-    args, (ref, ref_lse) = random_segments(t=2, g=4, d=64, nh=64, key_block=32, dtype=torch.float16, seed=5)
+    args, (ref, ref_lse) = random_segments(t=2, g=4, d=64, nh=128, key_blocks=(32, 64), key_chunk=64, dtype=torch.float16,
+                                           seed=5)
     out, lse = torch.ops.oscar.segment_attention(*args)
     assert out.dtype == torch.float16
     valid = torch.isfinite(ref_lse)
@@ -269,7 +349,7 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
 
     model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
                        head_dim=64, num_hidden_layers=1)
-    config = OscarConfig(sink_tokens=4, window_tokens=16, demotion_block=16, value_clip=0.95,
+    config = OscarConfig(sink_tokens=4, window_tokens=16, demotion_block=16, key_block=16, value_clip=0.95,
                          **({"key_granularity": "token", "key_clip": 0.9} if layout == "token" else {}))
     cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), config, max_cache_len=200)
     layer = cache.layers[0]
@@ -285,7 +365,8 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     hk, hv = layer.history_keys.buffers, layer.history_values.buffers
     args = (q, layer.sink_keys[:, :, :4], layer.sink_values[:, :, :4], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
             layer.ring_keys[:, :, :48], layer.ring_values[:, :, :48], mask, cache.plan.lengths, 1, 0.125,
-            16 if layout == "channel" else 0)
+            *layer.history_keys.kernel_key_layout)
+    assert args[-1] == (16 if layout == "channel" else 0)
     # n_sink, n_hist, n_recent, ring_lo, q_start: slots 32..47 then 0..11 of the ring of 48
     assert cache.plan.lengths.tolist() == [4, 128, 28, 32, 159]
     ref = decode_attention_reference(*args).double()
@@ -295,3 +376,62 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     err, lowp_err = (out.double() - ref).abs().max().item(), (lowp - ref).abs().max().item()
     assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, blocks, chunk, seed):
+    """Random buffers of a static cache as `decode_attention` reads them: sink, a history of `capacity` rows (a whole
+    number of chunks; channel-wise keys in `blocks` per head, or token-wise when `chunk` is 0) of which n_hist are
+    valid, and a ring of `ring` slots holding n_recent tokens from slot ring_lo on (wrapped)."""
+    from oscar_hf.quant import KeyBlockLayout, quantize_key_chunks, quantize_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    n_sink = 4
+    q = rnd(b, h, g * t, d).to(torch.bfloat16)
+    sink_k, sink_v = rnd(b, h, n_sink, d).to(torch.bfloat16), rnd(b, h, n_sink, d).to(torch.bfloat16)
+    raw = rnd(b, h, capacity, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
+    if chunk:
+        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk))
+    else:
+        hk = quantize_rows(raw, 2, d)
+    hv = quantize_rows(rnd(b, h, capacity, d), 2, d)
+    ring_k, ring_v = rnd(b, h, ring, d).to(torch.bfloat16), rnd(b, h, ring, d).to(torch.bfloat16)
+    n = n_sink + capacity + ring
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[-1, :9] = False  # a left-padded row
+    q_start = n_sink + n_hist + n_recent - t
+    lengths = torch.tensor([n_sink, n_hist, n_recent, ring_lo, q_start], dtype=torch.int32)
+    return (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, ring_k, ring_v, mask, lengths, t, d ** -0.5,
+            list(blocks) if chunk else [], chunk)
+
+
+@pytest.mark.parametrize("case", [
+    # n_hist ends inside a tile (and a chunk) of a history of whole chunks: the last tile is partial
+    dict(d=64, h=4, t=1, capacity=384, n_hist=200, blocks=(128, 64, 32, 128), chunk=128),
+    dict(d=128, h=2, t=1, capacity=256, n_hist=256, blocks=(32, 128), chunk=128),   # a full history
+    # the split head's last tile (of 64) ends in its second block: 40 tokens of 64, rows 5 and 6 of chunk 1
+    dict(d=64, h=3, t=1, capacity=256, n_hist=168, blocks=(64, 32, 128), chunk=128),
+    dict(d=64, h=3, t=1, capacity=256, n_hist=144, blocks=(128, 64, 32), chunk=128),  # ... or in its first
+    dict(d=64, h=2, t=1, capacity=256, n_hist=0, blocks=(32, 128), chunk=128),      # split heads, no history yet
+    dict(d=128, h=2, t=3, capacity=256, n_hist=136, blocks=(64, 64), chunk=128),    # several query positions
+    dict(d=64, h=2, t=1, capacity=128, n_hist=0, blocks=(32, 64), chunk=64),        # no history yet
+    dict(d=64, h=2, t=1, capacity=192, n_hist=100, blocks=(), chunk=0),             # token-wise keys
+])
+def test_decode_kernel_reads_per_head_key_blocks_like_its_twin(case):
+    """`oscar::decode_attention` on static-cache-shaped buffers (lengths on the device, ring wrapped) with each KV head's
+    own key block, against `decode_attention_reference`."""
+    from oscar_hf.ops import decode_attention_reference
+
+    args = _static_buffers(b=2, g=4, ring=24, n_recent=20, ring_lo=10, seed=case["capacity"] + case["n_hist"], **case)
+    if case["chunk"] and len(set(case["blocks"])) > 1:  # the mixed blocks take the split tiles
+        assert key_tile(128, case["blocks"])[1]
+    ref = decode_attention_reference(*args).double()
+    out = torch.ops.oscar.decode_attention(*args)
+    assert out.dtype == torch.bfloat16
+    lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                        else a for a in args)).double()
+    err, lowp_err = (out.double() - ref).abs().max().item(), (lowp - ref).abs().max().item()
+    assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+    if case["chunk"] and case["n_hist"] == 200:
+        torch.library.opcheck(torch.ops.oscar.decode_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor"))

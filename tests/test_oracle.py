@@ -19,7 +19,7 @@ from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.quant import fake_quantize, fake_quantize_channels
 
-CONFIG = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_clip="none", value_clip=0.9)
+CONFIG = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip="none", value_clip=0.9)
 
 
 class OracleLayer:

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from oscar_hf.quant import (
-    QuantizedRows, clip_rows, clip_threshold_index, dequantize_rows, fake_quantize, pack_2bit_u8, pack_3bit_u8,
+    KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize, fake_quantize_channels, quantize_channels,
+    quantize_key_chunks, clip_threshold_index, dequantize_rows, fake_quantize, pack_2bit_u8, pack_3bit_u8,
     pack_4bit_u8, pack_codes, quantize_rows, unpack_2bit_u8, unpack_3bit_u8, unpack_4bit_u8, unpack_codes,
 )
 
@@ -99,3 +100,32 @@ def test_dequantize_accepts_tuples():
     q = quantize_rows(torch.randn(3, 64), 2, 32)
     assert torch.equal(dequantize_rows((q.codes, q.meta, 2, 32)), dequantize_rows(q))
     assert isinstance(q, QuantizedRows)
+
+
+def test_key_chunks_place_each_heads_blocks_at_its_rows():
+    layout = KeyBlockLayout((32, 128, 64), 128)
+    assert (layout.rows_per_chunk, layout.offsets) == (7, (0, 4, 5))
+    assert layout.bits_per_element(2, 16) == 2 + 32 * 7 / (128 * 3)
+    x = torch.randn(2, 3, 256, 64) * torch.linspace(0.1, 5, 64)
+    q = quantize_key_chunks(x, 2, layout)
+    assert q.meta.shape == (2, 2, 7, 64, 2) and q.codes.shape == (2, 3, 256, 16)
+    dense = dequantize(q)
+    for head, block in enumerate(layout.blocks):  # each head exactly as its own channel-wise quantization
+        assert torch.equal(dense[:, head], fake_quantize_channels(x[:, head], 2, block))
+    # token t of head 0 (blocks of 32) takes meta row (t // 128, t % 128 // 32); head 2 (64) row 5 + t % 128 // 64
+    own = quantize_channels(x[:, 0], 2, 32)
+    assert torch.equal(q.meta[:, 1, 3], own.meta[:, 7])
+    assert torch.equal(q.meta[:, 1, 6], quantize_channels(x[:, 2], 2, 64).meta[:, 3])
+    # a view ending inside a chunk dequantizes its rows only
+    part = QuantizedKeyChunks(q.codes[:, :, :200], q.meta, 2, layout)
+    assert torch.equal(dequantize(part), dense[:, :, :200])
+
+
+def test_key_chunk_layouts_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="divide the chunk of 128"):
+        KeyBlockLayout((64, 48), 128)
+    with pytest.raises(ValueError, match="whole chunks of 128"):
+        quantize_key_chunks(torch.randn(1, 2, 64, 64), 2, KeyBlockLayout((64, 64), 128))
+    with pytest.raises(ValueError, match="for 2 KV heads"):
+        quantize_key_chunks(torch.randn(1, 3, 128, 64), 2, KeyBlockLayout((64, 64), 128))
+    assert KeyBlockLayout((32, 128, 64), 128).select([2, 0]) == KeyBlockLayout((64, 32), 128)

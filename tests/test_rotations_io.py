@@ -216,3 +216,35 @@ def test_a_file_without_fingerprint_loads_with_a_warning(tmp_path, monkeypatch):
     rotations.metadata = {}  # as calibrate() output saved without a fingerprint
     with pytest.warns(UserWarning, match="records no weight fingerprint"):
         rotations.check_fingerprint(model)
+
+
+def test_key_blocks_round_trip_and_are_checked(tmp_path):
+    rot = _rotations()
+    rot.key_blocks = {l: (32, 128) for l in rot.layers}
+    rot.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert meta["format_version"] == 4 and meta["key_blocks"]["0"] == [32, 128]
+    assert meta["layout"] == {"key_granularity": "channel", "demotion_block": 128, "key_block": 64,
+                              "key_block_allocation": "fitted"}
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.key_block(1) == (32, 128)
+    rewrite_rotation_file(tmp_path, rot, lambda m: m["key_blocks"].update({"0": [32, 48]}))
+    with pytest.raises(RotationFileError, match="key_blocks of layer 0 are \\[32, 48\\]"):
+        OscarRotations.from_pretrained(tmp_path)
+    rewrite_rotation_file(tmp_path, rot, lambda m: m["key_blocks"].update({"0": [64]}))
+    with pytest.raises(RotationFileError, match="expected 2 blocks"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
+def test_format_3_files_load_with_one_key_block_everywhere(tmp_path):
+    _rotations().save_pretrained(tmp_path)
+
+    def as_version_3(m):
+        m.update({"format_version": 3, "layout": {"key_granularity": "channel", "demotion_block": 64}})
+        del m["key_blocks"]
+
+    _rewrite(tmp_path, edit_json=as_version_3)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.layout == {"key_granularity": "channel", "demotion_block": 64, "key_block": 64,
+                             "key_block_allocation": "uniform"}
+    assert loaded.key_blocks is None

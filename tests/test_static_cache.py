@@ -11,14 +11,18 @@ from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
 from oscar_hf.static_cache import history_rows
 
-SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, value_clip=0.95)
-LAYOUTS = {"channel": OscarConfig(**SMALL), "token": OscarConfig(**SMALL, key_granularity="token", key_clip=0.9)}
+SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, value_clip=0.95)
+LAYOUTS = {"channel": OscarConfig(**SMALL), "token": OscarConfig(**SMALL, key_granularity="token", key_clip=0.9),
+           # per-head key blocks (8 and 4 tokens) in chunks of 8, as a fitted allocation gives them
+           "mixed": OscarConfig(**{**SMALL, "demotion_block": 8})}
 
 
 def _pair(family="llama", layout="channel", max_cache_len=200, **model_kw):
     model = tiny_model(family, **model_kw)
     rot = OscarRotations.data_free(model, "hadamard")
     config = LAYOUTS[layout]
+    if layout == "mixed":
+        rot.key_blocks = {layer: (8, 4) for layer in rot.layers}
     return model, OscarCache(model, rot, config), StaticOscarCache(model, rot, config, max_cache_len=max_cache_len)
 
 
@@ -40,9 +44,12 @@ def _assert_same_storage(dyn, sta):
             assert ((a - b).abs() > 1e-3).float().mean() < 0.01, i
 
 
-@pytest.mark.parametrize("family,layout", [("llama", "channel"), ("llama", "token"), ("gemma3", "channel")])
+@pytest.mark.parametrize("family,layout", [("llama", "channel"), ("llama", "token"), ("gemma3", "channel"),
+                                           ("llama", "mixed")])
 def test_prefill_decode_and_chunks_store_and_attend_like_the_dynamic_cache(family, layout):
     model, dyn, sta = _pair(family, layout)
+    if layout == "mixed":
+        assert dyn.layers[0].key_layout.blocks == sta.layers[0].key_layout.blocks == (8, 4)
     with torch.no_grad():
         steps = [_ids(2, 37, 0)] + [_ids(2, 1, s) for s in range(1, 30)] + [_ids(2, 9, 99)] + [_ids(2, 1, s) for s in range(5)]
         for ids in steps:  # 30 single steps: blocks complete and the ring wraps (R = 8 + 2·4 = 16)
@@ -202,7 +209,7 @@ def _generate(model, ids, cache, **kw):
 def test_generate_modes_match_the_dynamic_cache(mode):
     model = tiny_model("llama")
     rot = OscarRotations.data_free(model, "hadamard")
-    config = OscarConfig(**{**SMALL, "demotion_block": 8})  # a ring of 8 + 16 tokens: room for 4 rejected candidates
+    config = OscarConfig(**{**SMALL, "demotion_block": 8, "key_block": 8})  # a ring of 8 + 16 tokens: room for 4 rejected candidates
     ids = torch.cat([_ids(1, 18, 8)] * 2, 1)  # repetition gives prompt lookup something to propose
     outs = []
     for make in (lambda: OscarCache(model, rot, config), lambda: StaticOscarCache(model, rot, config, max_cache_len=160)):

@@ -17,7 +17,7 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="oscar", dtype=torch.float32,
                                              **({"tp_plan": "auto"} if world > 1 else {})).eval()
 rotations = OscarRotations.from_pretrained(rotation_dir)
-config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, value_clip=0.95, center_keys=True)
+config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, value_clip=0.95, center_keys=True)
 ids = torch.randint(4, 90, (2, 40), generator=torch.Generator().manual_seed(0))
 result = {}
 for name, cache in (("dynamic", OscarCache(model, rotations, config, allow_other_weights=True)),

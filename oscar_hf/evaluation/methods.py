@@ -227,7 +227,8 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
     """The storage-format study (issue: "a 2-bit cache you can trust"): token-wise keys (the paper's recipe and the
     centered variant) against channel-wise keys over demoted blocks, with each key rotation."""
     base = oscar_config(windows)
-    b128 = base.replace(demotion_block=128)
+    b128 = base.replace(key_block=128, key_block_allocation="uniform")
+    b64 = base.replace(key_block_allocation="uniform")
     fixed = b128.replace(choose_key_basis=False)
     rows = [
         ("oscar-token-centered", "paper layout, keys centered by their calibrated mean",
@@ -237,14 +238,15 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         ("oscar-ch-id", "channel-wise keys (blocks of 128), keys not rotated", fixed.replace(key_target="identity")),
         ("oscar-ch-auto", "channel-wise keys (blocks of 128), basis chosen per head on held-out error", b128),
         ("oscar-ch-id-b64", "channel-wise keys (blocks of 64), keys not rotated",
-         base.replace(choose_key_basis=False, key_target="identity")),
+         b64.replace(choose_key_basis=False, key_target="identity")),
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
-         base.replace(choose_key_basis=False, key_target="query")),
+         b64.replace(choose_key_basis=False, key_target="query")),
+        ("oscar-uniform-b64", "the default with key blocks of 64 for every head (no per-head allocation)", b64),
         ("oscar-values-g128", "the default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
          "2.375 like head_dim 128)", base.replace(group_size=128)),
         # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
         ("oscar-diag-keys-b32", "diagnostic: the default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
-         base.replace(demotion_block=32)),
+         base.replace(key_block=32, key_block_allocation="uniform")),
         ("oscar-diag-values-g32", "diagnostic: the default with value groups of 32 (values 3 bits/element)",
          base.replace(group_size=32)),
     ]
@@ -272,6 +274,9 @@ def calibration_key(config: OscarConfig) -> str:
               "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "calibration_sequence_length",
               "heldout_tokens", "key_granularity", "demotion_block", "choose_key_basis")
     key = ",".join(f"{f}={getattr(config, f)}" for f in fields)
+    if config.key_granularity == "channel" and (config.key_block != config.demotion_block
+                                                or config.key_block_allocation != "uniform"):
+        key += f",key_block={config.key_block},key_block_allocation={config.key_block_allocation}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
 
