@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
+from bench_gpu import MIXED_KEY_BLOCKS, GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static")
 COMPILED = {"bf16-static", "oscar-static"}
@@ -36,10 +36,21 @@ DEADLINE = float("inf")
 
 
 # ------------------------------------------------------------------------------------------------ caches
+# Per-KV-head key blocks every layer gets (cycled over the heads; "uniform": 64 everywhere): random weights have no
+# calibrated allocation, so the benchmark uses bench_gpu's mixed one, at the default budget (16 meta rows per 8 heads
+# per chunk).
+KEY_BLOCKS = ",".join(str(b) for b in MIXED_KEY_BLOCKS)
+
+
 def oscar_rotations(model):
     from oscar_hf import OscarRotations
 
-    return OscarRotations.data_free(model, "hadamard")
+    rot = OscarRotations.data_free(model, "hadamard")
+    if KEY_BLOCKS != "uniform":
+        pattern = [int(b) for b in KEY_BLOCKS.split(",")]
+        heads = model.config.num_key_value_heads
+        rot.key_blocks = {layer: tuple(pattern[h % len(pattern)] for h in range(heads)) for layer in rot.layers}
+    return rot
 
 
 def oscar_config():
@@ -294,8 +305,7 @@ def section_check(device):
         with torch.device(device):
             model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
         model.set_attn_implementation("oscar")
-        cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(value_clip=0.92),
-                                 max_cache_len=length + 64)
+        cache = StaticOscarCache(model, oscar_rotations(model), OscarConfig(value_clip=0.92), max_cache_len=length + 64)
         cache.plan.advance(length)
         layer = cache.layers[0]
         k, v = random_kv(model, 2, length, device)
@@ -310,15 +320,18 @@ def section_check(device):
         s, r = layer.config.sink_tokens, layer.plan.ring
         hk, hv = layer.history_keys.buffers, layer.history_values.buffers
         args = (q, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
-                layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5, 64)
+                layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5,
+                *layer.history_keys.kernel_key_layout)
         got = ops.decode_attention(*args, kernel=True).float()
         ref = ops.decode_attention_reference(*args).float()
         err = (got - ref).abs().max().item()
         scale = ref.abs().max().item()
         ok = err <= 2e-2 * max(scale, 1.0)
+        blocks = list(layer.history_keys.layout.blocks)
         rows.append(dict(check="decode_attention kernel vs twin", heads=heads, groups=groups, head_dim=d, length=length + 37,
-                         max_abs_err=err, ref_scale=scale, ok=ok))
-        log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37}: err {err:.2e} (scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
+                         key_blocks=blocks, max_abs_err=err, ref_scale=scale, ok=ok))
+        log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37} key blocks {blocks}: err {err:.2e} "
+            f"(scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
     # 2. the same model through OscarCache, StaticOscarCache eager and StaticOscarCache compiled (a CUDA graph):
     #    greedy generate, and teacher-forced decode steps (same input tokens, compare the logits' argmax)
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
@@ -327,7 +340,7 @@ def section_check(device):
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     model.set_attn_implementation("oscar")
-    rot = OscarRotations.data_free(model, "hadamard")
+    rot = oscar_rotations(model)  # per-head key blocks (mixed), as in the speed section
     ids = torch.randint(10, 2000, (2, 700), device=device)
     makers = {"dynamic": lambda: OscarCache(model, rot, OscarConfig(value_clip=0.92)),
               "static-eager": lambda: StaticOscarCache(model, rot, OscarConfig(value_clip=0.92), max_cache_len=900),
@@ -372,8 +385,12 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=None)
+    parser.add_argument("--key-blocks", default=None,
+                        help="per-KV-head key blocks of every layer, cycled over the heads, or 'uniform' (64); default: "
+                             "bench_gpu's mixed blocks")
     args = parser.parse_args(argv)
-    global DEADLINE
+    global DEADLINE, KEY_BLOCKS
+    KEY_BLOCKS = args.key_blocks or KEY_BLOCKS
     for name in ("recompile_limit", "cache_size_limit"):  # one compile per (method, shape): more than dynamo's default 8
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
@@ -388,6 +405,7 @@ def main(argv=None):
     path = out / "bench_generate.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results["environment"] = environment(device)
+    results["key_blocks"] = KEY_BLOCKS
     results.setdefault("copy_bandwidth", copy_bandwidth(device))
     points = []
     for p in args.points.split(","):

@@ -40,7 +40,33 @@ QWEN3 = {  # published architecture configs (no hub needed)
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }
 SINK, WINDOW = 64, 256
-KEY_BLOCK = 64  # the default layout: channel-wise keys over blocks of 64 tokens (OscarConfig.demotion_block)
+# The default layout: channel-wise keys entering the history in chunks of KEY_CHUNK tokens (OscarConfig.demotion_block),
+# every KV head over blocks of KEY_BLOCK tokens (OscarConfig.key_block). "mixed": per-head blocks as a fitted
+# allocation gives them (half, twice or equal to KEY_BLOCK), at the same meta rows per chunk as uniform blocks for
+# 8 KV heads (R = 16): the kernel tiles at 64 tokens, the 32-token heads reading two meta rows per tile
+# (`kernels/attention.py:key_tile`).
+KEY_CHUNK = 128
+KEY_BLOCK = 64
+MIXED_KEY_BLOCKS = (32, 128, 64, 128, 32, 128, 64, 128)
+
+
+def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...], int]:
+    """(per-head key blocks, key chunk) of a named layout: "default" (KEY_BLOCK for every head in chunks of
+    KEY_CHUNK), "mixed" (MIXED_KEY_BLOCKS, cycled), "block128" (one block per chunk) or "token" (token-wise keys)."""
+    if layout == "token":
+        return (), 0
+    if layout == "mixed":
+        return tuple(MIXED_KEY_BLOCKS[i % len(MIXED_KEY_BLOCKS)] for i in range(kv_heads)), KEY_CHUNK
+    if layout == "block128":
+        return (128,) * kv_heads, KEY_CHUNK
+    if layout != "default":
+        raise ValueError(f"unknown key layout {layout!r}")
+    return (KEY_BLOCK,) * kv_heads, KEY_CHUNK
+
+
+def key_meta_rows(key_blocks, key_chunk: int) -> int:
+    """R: channel-wise key meta rows per chunk, all KV heads together."""
+    return sum(key_chunk // b for b in key_blocks)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -95,11 +121,13 @@ def copy_bandwidth(device) -> float:
 
 
 def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", sink=SINK, window=WINDOW, meta_groups=1,
-                    key_block=KEY_BLOCK):
-    """Random rotated q and cache segments of a cache holding `length` tokens in the default layout (channel-wise
-    keys over blocks of `key_block` tokens; `key_block=0`: token-wise keys); returns the op's argument tuple."""
+                    layout="default"):
+    """Random rotated q and cache segments of a cache holding `length` tokens with keys in `layout` (`key_layout`:
+    channel-wise, per-head blocks in chunks of KEY_CHUNK, meta `[B, n_chunks, R, d, 2]`; "token": token-wise keys);
+    returns the op's argument tuple."""
+    key_blocks, key_chunk = key_layout(kv_heads, layout)
     n_sink = min(sink, length)
-    unit = key_block or 8
+    unit = key_chunk or 8
     n_hist = max(length - n_sink - window, 0) // unit * unit
     n_recent = max(length - n_sink - n_hist, 0)
     bf = dict(device=device, dtype=torch.bfloat16)
@@ -110,28 +138,34 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
     codes_k = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
     codes_v = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
 
-    def meta(rows, groups):
-        m = torch.empty(batch, kv_heads, rows, groups, 2, device=device, dtype=torch.float16)
+    def meta(*shape):
+        m = torch.empty(*shape, 2, device=device, dtype=torch.float16)
         m[..., 0].uniform_(0.05, 1.0)
         m[..., 1].normal_(0, 1)
         return m
 
-    meta_k = meta(-(-n_hist // key_block), d) if key_block else meta(n_hist, meta_groups)
+    if key_chunk:
+        meta_k = meta(batch, -(-n_hist // key_chunk), key_meta_rows(key_blocks, key_chunk), d)
+    else:
+        meta_k = meta(batch, kv_heads, n_hist, meta_groups)
     empty = q.new_empty(batch, kv_heads, 0, d)
-    return (q, sink_k, sink_v, codes_k, meta_k, codes_v, meta(n_hist, meta_groups), rec_k, rec_v, empty, empty, None,
-            n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, key_block)
+    return (q, sink_k, sink_v, codes_k, meta_k, codes_v, meta(batch, kv_heads, n_hist, meta_groups), rec_k, rec_v, empty,
+            empty, None, n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, list(key_blocks), key_chunk)
 
 
 def bytes_read(args) -> int:
     """Bytes the decode attention must read: packed history + its metadata + the BF16 windows + q."""
     q, sk, sv, ck, mk, cv, mv, rk, rv, ek, ev, mask, ns, nh, nr, ne = args[:16]
-    key_block = args[19] if len(args) > 19 else 0
+    key_blocks, key_chunk = (args[19], args[20]) if len(args) > 20 else ((), 0)
     b, h, _, d = q.shape
     codes = 2 * nh * ck.shape[-1]
-    meta_k = (-(-nh // key_block) * d if key_block else nh * mk.shape[-2]) * 2 * mk.element_size()
+    if key_chunk:  # per chunk, R rows (all heads) of d (scale, minimum) pairs
+        meta_k = -(-nh // key_chunk) * key_meta_rows(key_blocks, key_chunk) * d * 2 * mk.element_size()
+    else:
+        meta_k = h * nh * mk.shape[-2] * 2 * mk.element_size()
     meta_v = nh * mv.shape[-2] * 2 * mv.element_size()
     windows = (ns + nr + ne) * d * 2 * 2
-    return b * h * (codes + meta_k + meta_v + windows) + q.numel() * 2
+    return b * h * (codes + meta_v + windows) + b * meta_k + q.numel() * 2
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -139,17 +173,19 @@ def section_check(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
     from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
 
-    shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, value meta groups, key block)
-        (1, 8, 4, 131072, 128, 1, 1, 64), (8, 8, 4, 32768, 128, 1, 1, 64), (32, 8, 8, 4096, 64, 1, 1, 64),
-        (4, 2, 7, 16384, 64, 1, 1, 64), (2, 1, 4, 8192, 256, 1, 1, 64), (1, 8, 4, 32768, 128, 16, 2, 64),
-        (2, 8, 4, 8192, 128, 1, 4, 128), (1, 8, 4, 32768, 128, 1, 1, 0), (2, 8, 4, 8192, 128, 1, 4, 0),
+    shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, value meta groups, key layout)
+        (1, 8, 4, 131072, 128, 1, 1, "default"), (8, 8, 4, 32768, 128, 1, 1, "default"),
+        (32, 8, 8, 4096, 64, 1, 1, "default"), (4, 2, 7, 16384, 64, 1, 1, "default"),
+        (2, 1, 4, 8192, 256, 1, 1, "default"), (1, 8, 4, 32768, 128, 16, 2, "default"),
+        (1, 8, 4, 131072, 128, 1, 1, "mixed"), (8, 8, 4, 32768, 128, 1, 1, "mixed"), (4, 8, 4, 16384, 128, 16, 1, "mixed"),
+        (2, 8, 4, 8192, 128, 1, 4, "block128"), (1, 8, 4, 32768, 128, 1, 1, "token"), (2, 8, 4, 8192, 128, 1, 4, "token"),
     ]
     if quick:
-        shapes = [(1, 2, 4, 1500, 64, 1, 1, 64), (2, 2, 2, 700, 128, 3, 2, 0)]
+        shapes = [(1, 2, 4, 1500, 64, 1, 1, "default"), (1, 4, 4, 1500, 64, 1, 1, "mixed"), (2, 2, 2, 700, 128, 3, 2, "token")]
     rows = []
     for (b, h, g, length, d, t, mg, kb) in shapes:
         torch.manual_seed(length + b)
-        args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg, key_block=kb)
+        args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg, layout=kb)
         ref, ref_lse = segment_attention_reference(*args)
         lowp, _ = segment_attention_reference(*args, emulate_bf16=True)
         poison = torch.full((256 * 1024**2,), float("nan"), device=device)  # reused memory comes back as NaN
@@ -162,35 +198,39 @@ def section_check(device, quick):
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         passed = bool(torch.isfinite(out).all()) and err <= 3 * lowp_err + 1e-2
         rows.append(dict(kind="segment_attention", batch=b, kv_heads=h, gqa=g, length=length, head_dim=d, queries=t,
-                         meta_groups=mg, key_block=kb, max_err=err, bf16_ref_err=lowp_err, rel_err=rel, passed=passed))
-        log(f"check attention B={b} H={h} g={g} L={length} d={d} T={t} G={mg} key block {kb}: err {err:.2e} (bf16 ref {lowp_err:.2e}) "
+                         meta_groups=mg, key_layout=kb, key_blocks=args[19], key_chunk=args[20], max_err=err,
+                         bf16_ref_err=lowp_err, rel_err=rel, passed=passed))
+        log(f"check attention B={b} H={h} g={g} L={length} d={d} T={t} G={mg} keys {kb}: err {err:.2e} (bf16 ref {lowp_err:.2e}) "
             f"rel {rel:.1e} {'ok' if passed else 'FAIL'}")
         del args, ref, lowp, out
         free()
-    cases = [(4, 8, 16384, 128, True, 0), (32, 8, 8, 128, False, 0), (2, 2, 4096, 64, True, 0),
-             (4, 8, 16384, 128, True, 64), (32, 8, 64, 128, False, 64), (2, 1, 4096, 256, True, 64),
-             (2, 2, 4096, 64, False, 128)]
-    for (b, h, n, d, rotate, block) in (cases if not quick else [(2, 2, 320, 64, True, 0), (2, 2, 320, 64, True, 64)]):
+    cases = [(4, 8, 16384, 128, True, "token"), (32, 8, 8, 128, False, "token"), (2, 2, 4096, 64, True, "token"),
+             (4, 8, 16384, 128, True, "default"), (32, 8, 128, 128, False, "default"), (2, 1, 4096, 256, True, "default"),
+             (4, 8, 16384, 128, True, "mixed"), (32, 8, 128, 128, False, "mixed"), (2, 2, 4096, 64, False, "block128")]
+    for (b, h, n, d, rotate, layout) in (cases if not quick else [(2, 2, 320, 64, True, "token"),
+                                                                    (2, 2, 256, 64, True, "default"),
+                                                                    (2, 4, 256, 64, True, "mixed")]):
+        key_blocks, chunk = key_layout(h, layout)
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
-        start = block or 3
+        start = chunk or 3
         outs = []
         for fn in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
             codes = torch.full((b, h, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
-            meta_shape = (b, h, (n + start) // block, d, 2) if block else (b, h, n + start, 1, 2)
+            meta_shape = (b, (n + start) // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, n + start, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
-            fn(x, rot, 1.0 if block else 0.96, codes, meta, start, block)
+            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk)
             outs.append((codes, meta))
         from oscar_hf.quant import unpack_2bit_u8
 
         a, r = (unpack_2bit_u8(o[0][:, :, start:]).int() for o in outs)
         differ = (a != r).float().mean().item()
-        meta_start = 1 if block else start
-        written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(outs[1][1][:, :, meta_start:]).any())
+        written_meta = outs[1][1][:, 1:] if chunk else outs[1][1][:, :, start:]
+        written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(written_meta).any())
         passed = written and differ < 0.01 and (a - r).abs().max().item() <= 1
-        rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate, block=block,
-                         codes_differing=differ, passed=passed))
-        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} block={block}: {differ:.2e} of codes differ "
+        rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate, key_layout=layout,
+                         key_blocks=list(key_blocks), key_chunk=chunk, codes_differing=differ, passed=passed))
+        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} keys {layout}: {differ:.2e} of codes differ "
             f"{'ok' if passed else 'FAIL'}")
         free()
     return rows
@@ -208,10 +248,15 @@ def section_model_check(device, quick):
     ids = torch.randint(0, 1000, (2, n + 330), device=device)
     mask = torch.ones_like(ids)
     mask[1, :100] = 0
-    rot = OscarRotations.data_free(model, "hadamard")
+    uniform = OscarRotations.data_free(model, "hadamard")
+    mixed = OscarRotations.data_free(model, "hadamard")
+    heads = model.config.num_key_value_heads
+    mixed.key_blocks = {layer: tuple(MIXED_KEY_BLOCKS[h % len(MIXED_KEY_BLOCKS)] for h in range(heads))
+                        for layer in mixed.layers}
     rows = []
-    for layout in ("channel", "token"):
-        config = OscarConfig(value_clip=0.92) if layout == "channel" else OscarConfig(
+    for layout in ("channel", "channel (per-head blocks)", "token"):
+        rot = mixed if "per-head" in layout else uniform
+        config = OscarConfig(value_clip=0.92) if layout != "token" else OscarConfig(
             key_granularity="token", demotion_block=8, key_clip=0.96, value_clip=0.92)
         logits = {}
         for mode in ("0", "1"):
@@ -225,11 +270,19 @@ def section_model_check(device, quick):
         os.environ.pop("OSCAR_HF_KERNELS")
         ref = logits["0"]
         rel = ((logits["1"] - ref).norm() / ref.norm()).item()
-        top1 = (logits["1"].argmax(-1) == ref.argmax(-1)).float().mean().item()
-        passed = rel < 0.02 and top1 > 0.97
-        log(f"check model ({layout}-wise keys): kernels vs torch twins, relative logit error {rel:.2e}, top-1 agreement "
-            f"{top1:.4f} {'ok' if passed else 'FAIL'}")
-        rows.append(dict(kind="model", layout=layout, tokens=n + 330, rel_logit_err=rel, top1_agreement=top1, passed=passed))
+        same = logits["1"].argmax(-1) == ref.argmax(-1)
+        top1 = same.float().mean().item()
+        # A random model's logits are near ties at many positions, where bf16 rounding alone can flip the argmax: the
+        # top-1 bound applies where the twin's top-2 margin exceeds 4x the RMS logit difference between the two paths.
+        top2 = ref.topk(2, dim=-1).values
+        decisive = (top2[..., 0] - top2[..., 1]) > 4 * (logits["1"] - ref).pow(2).mean().sqrt()
+        top1_decisive = same[decisive].float().mean().item() if decisive.any() else 1.0
+        passed = rel < 0.02 and top1_decisive > 0.99
+        log(f"check model ({layout} keys): kernels vs torch twins, relative logit error {rel:.2e}, top-1 agreement "
+            f"{top1:.4f} ({top1_decisive:.4f} at the {int(decisive.sum())} of {decisive.numel()} positions with a clear "
+            f"top-1) {'ok' if passed else 'FAIL'}")
+        rows.append(dict(kind="model", layout=layout, tokens=n + 330, rel_logit_err=rel, top1_agreement=top1,
+                         top1_agreement_decisive=top1_decisive, decisive_positions=int(decisive.sum()), passed=passed))
     return rows
 
 
@@ -264,9 +317,9 @@ def section_devmap(device, quick, tmp):
     return dict(kind="device_map_calibration", statistics_devices=devices, passed=passed)
 
 
-def decode_args(b, length, device, g=4, h=8, d=128):
+def decode_args(b, length, device, g=4, h=8, d=128, layout="default"):
     torch.manual_seed(b * 7 + length)
-    return random_segments(b, h, g, length, d, device=device)
+    return random_segments(b, h, g, length, d, device=device, layout=layout)
 
 
 def section_tune(device, quick):
@@ -340,12 +393,15 @@ def section_micro(device, quick, tuned, copy_bw):
     h, g, d = 8, 4, 128
     rk = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
     rows = []
+    # the default key layout at every length, per-head (mixed) blocks at two: their smallest block sets the tile
+    mixed_lengths = [32768, 131072] if not quick else lengths
     for b in batches:
-        for length in lengths:
-            row = dict(batch=b, length=length, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
+        for length, layout in [(n, "default") for n in lengths] + [(n, "mixed") for n in mixed_lengths]:
+            row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
                 "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
                 "ptx_unpack")})
-            args = decode_args(b, length, device)
+            args = decode_args(b, length, device, layout=layout)
+            row["key_blocks"], row["key_chunk"] = args[19], args[20]
             q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
 
             def kernel_only():
@@ -379,7 +435,7 @@ def section_micro(device, quick, tuned, copy_bw):
             del args
             free()
             bf16_bytes = 2 * b * h * length * d * 2
-            if bf16_bytes < 60 * GIB or device.type != "cuda":
+            if layout == "default" and (bf16_bytes < 60 * GIB or device.type != "cuda"):
                 k = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
                 v = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
                 mod = _Module(g)
@@ -390,7 +446,7 @@ def section_micro(device, quick, tuned, copy_bw):
                 row["speedup_vs_bf16"] = row["bf16_sdpa_us"] / row["oscar_layer_us"]
                 del k, v
                 free()
-            log(f"micro B={b:2d} L={length:6d}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
+            log(f"micro B={b:2d} L={length:6d} keys {layout}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
                 f"(PTX unpack {row.get('oscar_kernel_ptx_unpack_us', float('nan')):8.1f} us, compiler unpack "
                 f"{row.get('oscar_kernel_plain_unpack_us', float('nan')):8.1f} us, v5 loop "
                 f"{row.get('oscar_kernel_v5_loop_us', float('nan')):8.1f} us) "
@@ -405,28 +461,35 @@ def section_quant(device, quick):
     rows = []
     for b in ([1, 8, 32] if not quick else [1]):
         h, d = 8, 128
-        blk = KEY_BLOCK
-        rows_rot = torch.randn(b, h, blk, d, device=device, dtype=torch.bfloat16)
-        codes = torch.empty(b, h, 4 * blk, d // 4, device=device, dtype=torch.uint8)
-        meta_k = torch.empty(b, h, 4, d, 2, device=device, dtype=torch.float16)
-        meta_v = torch.empty(b, h, 4 * blk, 1, 2, device=device, dtype=torch.float16)
-        us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, blk),
-                                  torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, 0)))
-        rows.append(dict(kind="demotion", batch=b, tokens=blk, us_per_layer_per_demotion=us, us_per_layer_per_step=us / blk))
-        log(f"quant demotion B={b}: {us:.1f} us per layer per demotion of {blk} tokens ({us / blk:.2f} us per layer per decode step)")
+        for layout in ("default", "mixed"):
+            key_blocks, blk = key_layout(h, layout)  # one chunk demoted at a time
+            key_blocks = list(key_blocks)
+            rows_rot = torch.randn(b, h, blk, d, device=device, dtype=torch.bfloat16)
+            codes = torch.empty(b, h, 4 * blk, d // 4, device=device, dtype=torch.uint8)
+            meta_k = torch.empty(b, 4, key_meta_rows(key_blocks, blk), d, 2, device=device, dtype=torch.float16)
+            meta_v = torch.empty(b, h, 4 * blk, 1, 2, device=device, dtype=torch.float16)
+            us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, key_blocks, blk),
+                                      torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, [], 0)))
+            rows.append(dict(kind="demotion", key_layout=layout, batch=b, tokens=blk, us_per_layer_per_demotion=us,
+                             us_per_layer_per_step=us / blk))
+            log(f"quant demotion B={b} keys {layout}: {us:.1f} us per layer per demotion of {blk} tokens "
+                f"({us / blk:.2f} us per layer per decode step)")
     n = 100_000 if not quick else 2000
     x = torch.randn(1, 8, n, 128, device=device, dtype=torch.bfloat16)
     rot = torch.linalg.qr(torch.randn(8, 128, 128, device=device))[0].to(torch.bfloat16)
-    n = n // KEY_BLOCK * KEY_BLOCK
+    n = n // KEY_CHUNK * KEY_CHUNK
     x = x[:, :, :n]
     codes = torch.empty(1, 8, n, 32, device=device, dtype=torch.uint8)
     meta = torch.empty(1, 8, n, 1, 2, device=device, dtype=torch.float16)
-    meta_k = torch.empty(1, 8, n // KEY_BLOCK, 128, 2, device=device, dtype=torch.float16)
+    key_blocks, chunk = key_layout(8, "default")
+    key_blocks = list(key_blocks)
+    meta_k = torch.empty(1, n // chunk, key_meta_rows(key_blocks, chunk), 128, 2, device=device, dtype=torch.float16)
     for kind, fn, meta_bytes in (
             ("prefill values (token-wise: rotate+clip+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, 0), meta.numel() * 2),
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, [], 0), meta.numel() * 2),
             ("prefill keys (channel-wise: rotate+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, KEY_BLOCK), meta_k.numel() * 2)):
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, key_blocks, chunk),
+             meta_k.numel() * 2)):
         us = bench_graph(fn)
         moved = x.numel() * 2 + codes.numel() + meta_bytes
         row = dict(kind=kind, tokens=n, kv_heads=8, us=us, gbps=moved / (us * 1e-6) / 1e9)
@@ -741,6 +804,8 @@ def main(argv=None):
                 results["check"].extend(section_model_check(device, args.quick))
                 if device.type == "cuda":
                     results["check"].append(section_devmap(device, args.quick, out_dir))
+            elif name == "model-check":  # only the model-level check (kernels vs twins through OscarCache)
+                results["model_check"] = section_model_check(device, args.quick)
             elif name == "tune":
                 results["tune"] = section_tune(device, args.quick)
                 tuned = results["tune"]["best"]

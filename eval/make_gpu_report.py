@@ -21,14 +21,23 @@ def fmt(x, digits=1):
     return f"{x:,.{digits}f}"
 
 
+def key_layout_text(r) -> str:
+    """The key layout of a micro/check row: uniform 64-token blocks, per-head (mixed) blocks, or token-wise keys."""
+    layout = r.get("key_layout", "default")
+    blocks = r.get("key_blocks")
+    if layout == "mixed" and blocks:
+        return "per head " + "/".join(str(b) for b in blocks)
+    return {"default": "64 (uniform)", "block128": "128 (uniform)", "token": "token-wise"}.get(layout, str(layout))
+
+
 def micro_table(rows, copy_bw):
-    lines = ["| batch | context | OSCAR kernel (µs) | same, PTX / compiler unpacking (µs) | same, v5 loop (µs) | "
+    lines = ["| batch | context | key blocks | OSCAR kernel (µs) | same, PTX / compiler unpacking (µs) | same, v5 loop (µs) | "
              "OSCAR layer (µs) | bytes read (MB) | achieved GB/s | % of copy BW | BF16 sdpa (µs) | BF16 GB/s | "
              "speed-up (layer vs sdpa) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r.get("key_layout", "default") != "default", r["length"])):
         lines.append(
-            f"| {r['batch']} | {r['length']:,} | {fmt(r['oscar_kernel_us'])} | "
+            f"| {r['batch']} | {r['length']:,} | {key_layout_text(r)} | {fmt(r['oscar_kernel_us'])} | "
             f"{fmt(r.get('oscar_kernel_ptx_unpack_us'))} / {fmt(r.get('oscar_kernel_plain_unpack_us'))} | "
             f"{fmt(r.get('oscar_kernel_v5_loop_us'))} | {fmt(r['oscar_layer_us'])} | "
             f"{fmt(r['oscar_bytes'] / 1e6)} | {fmt(r['oscar_gbps'], 0)} | {fmt(100 * r['oscar_fraction_of_copy_bw'])} | "
@@ -204,8 +213,9 @@ def generate_section(gen: dict, path: str) -> list[str]:
           "bytes a step reads, at the measured copy bandwidth). Caches are filled with random tokens before each call "
           "(a 100K-token prefill per call would cost minutes of device time); generate then runs its own one-token "
           "prefill and decodes.", "",
-          "| model | context | batch | " + " | ".join(label for _, label in present) + " | compiled OSCAR vs best BF16 |",
-          "|---|---|---|" + "---|" * len(present) + "---|"]
+          "| model | context | batch | " + " | ".join(label for _, label in present) + " | compiled OSCAR vs best BF16 | "
+          "storage format |",
+          "|---|---|---|" + "---|" * len(present) + "---|---|"]
     for r in rows:
         cells = []
         for k, _ in present:
@@ -217,13 +227,15 @@ def generate_section(gen: dict, path: str) -> list[str]:
                 cells.append("not run" + (f" ({why[:60]})" if why and "budget" not in why else ""))
         best = max((r.get(f"{m}_tokens_per_s", 0) for m in ("bf16-eager", "bf16-static")), default=0)
         ratio = r.get("oscar-static_tokens_per_s", 0) / best if best and r.get("oscar-static_tokens_per_s") else None
-        md.append(f"| {r['arch']} | {r['length']:,} | {r['batch']} | " + " | ".join(cells) + f" | {fmt(ratio, 2)}× |")
+        md.append(f"| {r['arch']} | {r['length']:,} | {r['batch']} | " + " | ".join(cells) + f" | {fmt(ratio, 2)}× | "
+                  f"{r.get('format', '–')} |")
     checks = gen.get("check", [])
     if checks:
         md += ["", "Correctness on the GPU (`--sections check`): "]
         for c in checks:
             if "max_abs_err" in c:
                 md.append(f"- decode kernel vs torch twin on a filled `StaticOscarCache` (H={c['heads']}, GQA {c['groups']}, "
+                          + (f"key blocks {'/'.join(str(b) for b in c['key_blocks'])}, " if c.get("key_blocks") else "") +
                           f"d={c['head_dim']}, {c['length']:,} tokens, ring wrapped, left padding): max error "
                           f"{c['max_abs_err']:.1e} at output scale {c['ref_scale']:.2f} — {'ok' if c['ok'] else 'FAILED'}")
             else:
@@ -269,9 +281,11 @@ def main(argv=None):
         "",
         *(generate_section(gen, str(gen_path.relative_to(HERE.parent)) if gen_path.is_relative_to(HERE.parent) else str(gen_path))
           if gen else []),
-        "The sections below are kernel-level (`eval/bench_gpu.py`). Checks, decode attention, tuning and quantization "
-        "are of the current kernels (v6, `eval/KERNEL_NOTES.md`; each run's command in the list above); the model-level "
-        "sections (e2e, memory, budget) were measured by earlier calls, with the v4 kernel and the token-wise key layout.",
+        "The sections below are kernel-level (`eval/bench_gpu.py`). Checks, decode attention and quantization are of the "
+        "current kernels on the current storage format (rotation format 4: channel-wise keys in 128-token chunks, each KV "
+        "head in blocks of 32, 64 or 128 tokens; `eval/KERNEL_NOTES.md`; each run's command in the list above); the "
+        "launch sweep (tune) is of kernel v6 on format 3, and the model-level sections (e2e, memory, budget) were measured "
+        "by earlier calls, with the v4 kernel and the token-wise key layout.",
         "",
         "## Targets",
         "",
@@ -288,14 +302,18 @@ def main(argv=None):
         for c in checks:
             if c["kind"] == "segment_attention":
                 shape = (f"B={c['batch']} H_kv={c['kv_heads']} GQA={c['gqa']} L={c['length']:,} d={c['head_dim']} "
-                         f"T={c['queries']} groups={c['meta_groups']}")
+                         f"T={c['queries']} groups={c['meta_groups']} keys {key_layout_text(c)}")
                 md.append(f"| attention | {shape} | {c['max_err']:.2e} | {c['bf16_ref_err']:.2e} | {c['passed']} |")
             elif c["kind"] == "quantize_pack":
                 md.append(f"| quantize_pack | B={c['batch']} H={c['kv_heads']} n={c['tokens']:,} d={c['head_dim']} rotate={c['rotate']} "
+                          f"keys {key_layout_text(c)} "
                           f"| {c['codes_differing']:.1e} of codes differ | – | {c['passed']} |")
             elif c["kind"] == "model":
-                md.append(f"| model (kernels vs twins) | {c['tokens']:,} tokens, batch 2, left padding | rel. logit error "
-                          f"{c['rel_logit_err']:.1e}, top-1 agreement {c['top1_agreement']:.4f} | – | {c['passed']} |")
+                decisive = (f" ({c['top1_agreement_decisive']:.4f} at the {c['decisive_positions']} positions whose "
+                            "top-2 margin exceeds 4× the RMS logit difference)" if "top1_agreement_decisive" in c else "")
+                md.append(f"| model, {c.get('layout', '?')} keys (kernels vs twins) | {c['tokens']:,} tokens, batch 2, left "
+                          f"padding | rel. logit error {c['rel_logit_err']:.1e}, top-1 agreement {c['top1_agreement']:.4f}"
+                          f"{decisive} | – | {c['passed']} |")
             else:
                 md.append(f"| {c['kind']} | {c.get('statistics_devices')} | – | – | {c['passed']} |")
     if "tune" in res:
@@ -316,7 +334,7 @@ def main(argv=None):
         md += ["", "## Quantization cost", ""]
         for r in res["quant"]:
             if r["kind"] == "demotion":
-                md.append(f"- demotion, batch {r['batch']}: {r['us_per_layer_per_demotion']:.1f} µs per layer every "
+                md.append(f"- demotion, batch {r['batch']}, keys {key_layout_text(r)}: {r['us_per_layer_per_demotion']:.1f} µs per layer every "
                           f"{r.get('tokens', 8)} steps = {r['us_per_layer_per_step']:.2f} µs per layer per decode step")
             else:
                 md.append(f"- {r['kind']}, {r['tokens']:,} tokens × {r['kv_heads']} KV heads, one kernel: "
