@@ -564,7 +564,10 @@ class OscarCache(Cache):
                 warnings.warn(
                     "OscarCache: the config's storage layout differs from the one these rotations were calibrated "
                     f"for ({', '.join(f'{k}={a!r} vs {b!r}' for k, (a, b) in differs.items())}): key bases and clips "
-                    "were fitted for the file's layout", RuntimeWarning, stacklevel=2)
+                    "were fitted for the file's layout"
+                    + ("; the file's per-head key blocks, allocated for its key_block and demotion_block, are not "
+                       "used (config.key_block everywhere)" if rotations.key_blocks and
+                       ({"key_block", "demotion_block"} & set(differs)) else ""), RuntimeWarning, stacklevel=2)
         config.check_head_dim(geometry.head_dim)
         if config.center_keys and not rotations.center_keys:
             raise ValueError(
@@ -594,9 +597,12 @@ class OscarCache(Cache):
                 config)
 
     def _key_blocks(self, i: int, rotations: OscarRotations, config: OscarConfig) -> tuple[int, ...]:
-        """The channel-wise key block of each KV head of layer `i` on this rank (`OscarConfig.key_blocks`)."""
+        """The channel-wise key block of each KV head of layer `i` on this rank (`OscarConfig.key_blocks`). A file's
+        allocation was made for its own key_block budget and demotion chunk: a config asking for another budget gets
+        its key_block everywhere (what it asked for), not the file's blocks."""
         heads = self._local_heads(i, rotations.key_rotations[i]).shape[0]
-        return config.key_blocks(heads, self._local_heads(i, rotations.key_block(i)))
+        same_budget = all(rotations.layout.get(k) == getattr(config, k) for k in ("key_block", "demotion_block"))
+        return config.key_blocks(heads, self._local_heads(i, rotations.key_block(i)) if same_budget else None)
 
     def _make_layers(self, geometry, rotations: OscarRotations, config: OscarConfig, max_cache_len: int | None):
         layers: list[CacheLayerMixin] = []

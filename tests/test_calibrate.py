@@ -219,3 +219,7 @@ def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_
     assert [cache.layers[l].key_layout.blocks for l in rot.layers] == [rot.key_blocks[l] for l in rot.layers]
     uniform = OscarCache(model, loaded, loaded_config := OscarConfig(**{**loaded.layout, "key_block_allocation": "uniform"}))
     assert uniform.layers[0].key_layout.blocks == (16, 16) and loaded_config.key_block == 16
+    # another key budget than the file's allocation was made for: that budget everywhere, and a warning says so
+    with pytest.warns(RuntimeWarning, match="key_block=32 vs 16"):
+        coarser = OscarCache(model, loaded, OscarConfig(**{**loaded.layout, "key_block": 32}))
+    assert all(coarser.layers[l].key_layout.blocks == (32, 32) for l in rot.layers)
