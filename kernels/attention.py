@@ -298,11 +298,11 @@ def _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPC
 
 
 @triton.jit
-def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
-                    UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """Scores [M, BLOCK_N] of one tile of channel-wise keys: q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c."""
-    QD: tl.constexpr = ck.shape[1]
-    k0, k1, k2, k3 = _planes(ck, ASM)
+def _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """Scores [M, BLOCK_N] of unpacked key planes under one block's per-channel (scale, minimum):
+    q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c."""
+    QD: tl.constexpr = k0.shape[1]
     s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
     bias = tl.zeros((q0.shape[0], QD), tl.float32)
     s, bias = _channel_plane(s, bias, q0, k0, ks0, km0, UPCAST)
@@ -313,28 +313,25 @@ def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, 
 
 
 @triton.jit
+def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """Scores [M, BLOCK_N] of one tile of channel-wise keys (`_channel_dots` on the tile's unpacked codes)."""
+    k0, k1, k2, k3 = _planes(ck, ASM)
+    return _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST)
+
+
+@triton.jit
 def _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
                           ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                           ASM: tl.constexpr):
     """`_channel_scores` for a tile over two key blocks: its first half under meta (ks, km), its second under
     (ls, lm). The codes are unpacked once; each half's scaled queries make their own dots over all the tile's planes
     (the MMA tile is the key tile either way), and each token keeps its half's scores."""
-    QD: tl.constexpr = ck.shape[1]
     k0, k1, k2, k3 = _planes(ck, ASM)
-    s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
-    t = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
-    bias = tl.zeros((q0.shape[0], QD), tl.float32)
-    tbias = tl.zeros((q0.shape[0], QD), tl.float32)
-    s, bias = _channel_plane(s, bias, q0, k0, ks0, km0, UPCAST)
-    t, tbias = _channel_plane(t, tbias, q0, k0, ls0, lm0, UPCAST)
-    s, bias = _channel_plane(s, bias, q1, k1, ks1, km1, UPCAST)
-    t, tbias = _channel_plane(t, tbias, q1, k1, ls1, lm1, UPCAST)
-    s, bias = _channel_plane(s, bias, q2, k2, ks2, km2, UPCAST)
-    t, tbias = _channel_plane(t, tbias, q2, k2, ls2, lm2, UPCAST)
-    s, bias = _channel_plane(s, bias, q3, k3, ks3, km3, UPCAST)
-    t, tbias = _channel_plane(t, tbias, q3, k3, ls3, lm3, UPCAST)
+    s = _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST)
+    t = _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST)
     first = tl.arange(0, BLOCK_N) < BLOCK_N // 2
-    return tl.where(first[None, :], s + tl.sum(bias, axis=1)[:, None], t + tl.sum(tbias, axis=1)[:, None])
+    return tl.where(first[None, :], s, t)
 
 
 @triton.jit
