@@ -212,12 +212,13 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
 
 def layout_bits(method: str, head_dim: int, tokens: int) -> float | None:
     """Bits per K/V element of a method's layout holding `tokens` tokens (16-bit metadata), from its accounting:
-    OSCAR default: BF16 sink 64 + window 256..319 (whole blocks of 64 demoted), keys 2 + 32/64, values 2 + 32/d;
+    OSCAR default: BF16 sink 64 + window 256..383 (whole chunks of 128 demoted), keys 2 + 32/64 (per-head blocks of
+    32/64/128 allocated at the metadata of 64 everywhere: at most that), values 2 + 32/d;
     paper layout: sink 64 + window 256..263, 2 + 32/d for both; KIVI-2 (residual 128): keys in blocks of G tokens
     once 128 full-precision keys have gathered, values per token in groups of min(G, d) beyond the last 128."""
     sink, window = 64, 256
     if method in ("oscar", "oscar-token"):
-        block = 64 if method == "oscar" else 8
+        block = 128 if method == "oscar" else 8
         hist = max(tokens - sink - window, 0) // block * block
         k_bits = 2 + 32 / 64 if method == "oscar" else 2 + 32 / head_dim
         v_bits = 2 + 32 / head_dim
@@ -236,7 +237,8 @@ def layout_section() -> list[str]:
     """The storage-format study: the default against the paper's layout and KIVI-2 on three text domains, NIAH,
     the levers one at a time, and the bits each layout costs."""
     out = ["## The default layout across text domains (issue: a 2-bit cache you can trust)", "",
-           "`oscar` is the library's default: keys quantized **per channel** over each block of 64 tokens demoted "
+           "`oscar` is the library's default: keys quantized **per channel** over blocks of 32, 64 or 128 tokens "
+           "(allocated per KV head at calibration, at the bits of 64 everywhere) of the chunks of 128 demoted "
            "from the BF16 window, in a per-(layer, KV head) basis chosen at calibration among the calibrated U·H·P, "
            "the data-free H·P and none, by held-out attention error; values token-wise after OSCAR's U·H·P rotation "
            "and fitted clip. `oscar-token` is OSCAR in the paper's layout (token-wise keys, the previous default). "
