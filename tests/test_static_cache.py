@@ -23,6 +23,7 @@ def _pair(family="llama", layout="channel", max_cache_len=200, **model_kw):
     config = LAYOUTS[layout]
     if layout == "mixed":
         rot.key_blocks = {layer: (8, 4) for layer in rot.layers}
+        rot.layout.update(key_block=config.key_block, demotion_block=config.demotion_block)  # what the file was fitted for
     return model, OscarCache(model, rot, config), StaticOscarCache(model, rot, config, max_cache_len=max_cache_len)
 
 
