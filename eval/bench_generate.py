@@ -12,7 +12,8 @@ B·N / (t(N+1) − t(1)). Methods are interleaved within a round; one warm-up ro
 the best of `--rounds`. GPU time per token: the summed CUDA kernel time of the two calls under the profiler,
 differenced the same way. Roofline per step: (weights + KV bytes a step must read) / measured copy bandwidth.
 
-Sections: `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
+Sections: `kernels` (the CUDA kernels of one compiled decode step, per method), `profile` (its host time,
+cProfile), `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
 wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`.
 """
 
@@ -287,6 +288,61 @@ def section_profile(device, arch, point, methods, new_tokens, out):
     return rows
 
 
+def section_kernels(device, arch, point, methods, new_tokens, out):
+    """What a compiled decode step runs on the GPU: the CUDA kernels of one generate call of N + 1 tokens minus one of
+    1 token (both under torch.profiler, after a warm-up that compiled the step), per step: name, launches, µs. The
+    table per method goes to the log and to `kernels_<method>.txt`."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    import oscar_hf  # noqa: F401
+
+    model = tiny_qwen3(device) if arch == "tiny" else build_model(arch, device)
+    length, batch, _ = point
+    rows = []
+    for m in methods:
+        torch._dynamo.reset()
+        free()
+        cache = make_cache(m, model, batch, length + new_tokens + 8)
+        for _ in range(2):
+            fill(cache, model, batch, length, device)
+            generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        tables = []
+        # on the CPU (the smoke test) the table lists the CPU ops instead
+        activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda"
+                          else (ProfilerActivity.CPU, DeviceType.CPU))
+        for n in (new_tokens + 1, 1):
+            fill(cache, model, batch, length, device)
+            ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
+            with prof(activities=[activity]) as p, torch.no_grad():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                               attention_mask=torch.ones_like(ids), disable_compile=m not in COMPILED, pad_token_id=0)
+                sync()
+            table = defaultdict(lambda: [0, 0.0])
+            for e in p.events():
+                if e.device_type == kind:
+                    table[e.name][0] += 1
+                    table[e.name][1] += e.time_range.elapsed_us()
+            tables.append(table)
+        long, short = tables
+        per_step = sorted(((name, (c - short.get(name, (0, 0))[0]) / new_tokens, (us - short.get(name, (0, 0.0))[1]) / new_tokens)
+                           for name, (c, us) in long.items()), key=lambda r: -r[2])
+        total = sum(r[2] for r in per_step)
+        launches = sum(r[1] for r in per_step)
+        text = "\n".join(f"{us:9.1f} us {cnt:7.1f}x  {name[:160]}" for name, cnt, us in per_step if abs(us) > 0.05)
+        (out / f"kernels_{m}.txt").write_text(f"{m} {arch} L={length} B={batch}: per decode step {total:.1f} us of "
+                                              f"kernels in {launches:.0f} launches\n{text}\n")
+        rows.append(dict(method=m, arch=arch, length=length, batch=batch, kernel_us_per_step=total,
+                         launches_per_step=launches, top=[(n[:120], c, u) for n, c, u in per_step[:40]]))
+        log(f"kernels {m} L={length} B={batch}: {total:.1f} us in {launches:.0f} launches per step; top: " +
+            "; ".join(f"{n[:60]} {u:.1f} us ({c:.0f}x)" for n, c, u in per_step[:12]))
+        del cache
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ check
 def section_check(device):
     """The decode kernel against its twin on a static cache's buffers (ring wrapped, padding mask), and the same
@@ -422,6 +478,10 @@ def main(argv=None):
                 length, batch, only = points[0]
                 results["profile"] = section_profile(device, args.archs.split(",")[0], points[0],
                                                      [m for m in methods if not only or m in only], args.new_tokens, out)
+            elif name == "kernels":
+                results["kernels"] = section_kernels(device, args.archs.split(",")[0], points[0],
+                                                     [m for m in methods if not points[0][2] or m in points[0][2]],
+                                                     args.new_tokens, out)
             elif name == "speed":
                 archs = args.archs.split(",")
                 new = section_speed(device, archs, points, methods, args.new_tokens, args.rounds, results["copy_bandwidth"])

@@ -233,6 +233,37 @@ def section_check(device, quick):
         log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} keys {layout}: {differ:.2e} of codes differ "
             f"{'ok' if passed else 'FAIL'}")
         free()
+    # the static cache's decode writes: first row read on the device, negative = nothing written
+    for (b, h, n, d, layout, start) in ((4, 8, 1, 128, "token", 700), (4, 8, 1, 128, "token", -1), (2, 1, 1, 256, "token", 5),
+                                        (4, 8, 128, 128, "mixed", 256), (4, 8, 128, 128, "mixed", -1),
+                                        (2, 1, 128, 256, "default", 128)):
+        key_blocks, chunk = key_layout(h, layout) if layout != "token" else ((), 0)
+        x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
+        cap = 1024
+        outs = []
+        for fn in ("reference", "kernel"):
+            codes = torch.full((b, h, cap, d // 4), 0xAA, device=device, dtype=torch.uint8)
+            meta_shape = (b, cap // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, cap, 1, 2)
+            meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
+            if fn == "kernel":
+                torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.96, codes, meta,
+                                                 torch.tensor([start], device=device), list(key_blocks), chunk)
+            elif start >= 0:
+                quantize_pack_reference(x, None, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk)
+            sync()
+            outs.append((codes, meta))
+        (rc, rm), (kc, km) = outs
+        from oscar_hf.quant import unpack_2bit_u8
+
+        differ = (unpack_2bit_u8(kc).int() != unpack_2bit_u8(rc).int()).float().mean().item()
+        same_meta = torch.equal(km.isnan(), rm.isnan()) and torch.allclose(km.nan_to_num().float(), rm.nan_to_num().float(),
+                                                                           rtol=1e-2, atol=1e-3)
+        passed = same_meta and differ < 1e-3
+        rows.append(dict(kind="quantize_pack_at", batch=b, kv_heads=h, tokens=n, head_dim=d, key_layout=layout,
+                         start=start, codes_differing=differ, passed=passed))
+        log(f"check quantize_pack_at B={b} H={h} n={n} d={d} keys {layout} start {start}: {differ:.2e} of codes differ, "
+            f"meta {'same' if same_meta else 'DIFFERENT'} {'ok' if passed else 'FAIL'}")
+        free()
     return rows
 
 

@@ -308,6 +308,10 @@ def main(argv=None):
                 md.append(f"| quantize_pack | B={c['batch']} H={c['kv_heads']} n={c['tokens']:,} d={c['head_dim']} rotate={c['rotate']} "
                           f"keys {key_layout_text(c)} "
                           f"| {c['codes_differing']:.1e} of codes differ | – | {c['passed']} |")
+            elif c["kind"] == "quantize_pack_at":
+                md.append(f"| quantize_pack_at (first row on the device) | B={c['batch']} H={c['kv_heads']} n={c['tokens']:,} "
+                          f"d={c['head_dim']} keys {c['key_layout']} start {c['start']} "
+                          f"| {c['codes_differing']:.1e} of codes differ | – | {c['passed']} |")
             elif c["kind"] == "model":
                 decisive = (f" ({c['top1_agreement_decisive']:.4f} at the {c['decisive_positions']} positions whose "
                             "top-2 margin exceeds 4× the RMS logit difference)" if "top1_agreement_decisive" in c else "")

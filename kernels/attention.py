@@ -2,7 +2,7 @@
 
 Stage 1 (`_segment_attention_kernel`), grid (batch·KV head, query-row tiles, splits): each program attends the query
 rows of one KV head (its GQA group's query heads stacked, rows r = g·T + t) to one contiguous range of one segment —
-the BF16 sink, a slice of the INT2 history, the BF16 recent window, or an extra BF16 segment (the current chunk of a
+the BF16 sink, a slice of the INT2 history, a slice of the BF16 recent window, or an extra BF16 segment (the current chunk of a
 long prefill onto a filled cache) — with an online softmax, and writes its partial output and log-sum-exp.
 The INT2 history is never dequantized into memory: a key row is k = c·s + m (codes c ∈ {0..3}, per-token scale s
 and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
@@ -530,7 +530,7 @@ def _segment_attention_kernel(
     mask_ptr, smask_b, smask_n,
     heads, M, T, q_start,
     n_sink, n_hist, n_recent, n_extra,
-    hist_splits, hist_chunk, extra_chunk,
+    hist_splits, hist_chunk, recent_splits, recent_chunk, extra_chunk,
     scale, len_ptr, ring_size,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
@@ -616,24 +616,28 @@ def _segment_attention_kernel(
                 meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
                 sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_CHUNK, BLOCK_N, HAS_MASK,
                 UPCAST, PTX_UNPACK, KEY_SPLIT)
-    elif split == recent_split:
-        # slots [ring_lo, ring_lo + n_recent) modulo ring_size: at most two contiguous pieces (one without a ring)
+    elif split < recent_split + recent_splits:
+        # recent tokens [a, a + recent_chunk) of this split: ring slots ring_lo + a... modulo ring_size, at most two
+        # contiguous pieces (one without a ring). Split like the history so that a short history does not leave the
+        # whole BF16 window to one program (the step's longest at 4K tokens: H200, eval/KERNEL_NOTES.md).
+        a = (split - recent_split) * recent_chunk
+        end = tl.minimum(a + recent_chunk, n_recent)
         offset = n_sink + n_hist - ring_lo
-        hi = tl.minimum(tl.minimum(ring_lo + n_recent, ring_size), max_qpos + 1 - offset)
+        hi = tl.minimum(tl.minimum(ring_lo + end, ring_size), max_qpos + 1 - offset)
         m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
             q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-            rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, ring_lo, hi, offset,
+            rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, ring_lo + a, hi, offset,
             mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
         if DEVICE_LENGTHS:
             offset = offset + ring_size
-            hi = tl.minimum(ring_lo + n_recent - ring_size, max_qpos + 1 - offset)
+            hi = tl.minimum(ring_lo + end - ring_size, max_qpos + 1 - offset)
             m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
                 q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-                rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, 0, hi, offset,
+                rec_k, rec_v, sr_b, sr_h, sr_t, sr_d, b, h, tl.maximum(ring_lo + a - ring_size, 0), hi, offset,
                 mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
     else:
         offset = n_sink + n_hist + n_recent
-        lo = (split - recent_split - 1) * extra_chunk
+        lo = (split - recent_split - recent_splits) * extra_chunk
         hi = tl.minimum(tl.minimum(lo + extra_chunk, n_extra), max_qpos + 1 - offset)
         m_i, l_i, acc0, acc1, acc2, acc3 = _bf16_range(
             q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
@@ -682,6 +686,13 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
     extra_chunk = max(block_n, math.ceil(math.ceil(n_extra / max(extra_splits, 1)) / block_n) * block_n)
     extra_splits = math.ceil(n_extra / extra_chunk) if n_extra > 0 else 0
     return hist_splits, hist_chunk, extra_splits, extra_chunk
+
+
+def recent_split_plan(n_recent: int, hist_chunk: int, block_n: int) -> tuple[int, int]:
+    """(splits, tokens per split) of the BF16 recent window: about as much work per program as a history split
+    (`hist_chunk` tokens), in whole key tiles."""
+    chunk = max(block_n, min(hist_chunk, -(-max(n_recent, 1) // block_n) * block_n))
+    return max(1, -(-n_recent // chunk)), chunk
 
 
 _SMS: dict = {}
@@ -800,12 +811,13 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
     if device_lengths is None:
         n_sink, n_hist, n_recent, n_extra, query_start = host_lengths
-        plan_hist, ring_size = n_hist, recent_k.shape[2]
+        plan_hist, plan_recent, ring_size = n_hist, n_recent, recent_k.shape[2]
     else:  # planned for the whole capacity: the same grid every step
         n_sink = n_hist = n_recent = n_extra = query_start = 0
-        plan_hist, ring_size = hist_codes_k.shape[2], recent_k.shape[2]
+        plan_hist, plan_recent, ring_size = hist_codes_k.shape[2], recent_k.shape[2], recent_k.shape[2]
     hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target)
-    n_splits = 1 + hist_splits + 1 + extra_splits
+    recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)
+    n_splits = 1 + hist_splits + recent_splits + extra_splits
     partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
     partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
     has_mask = key_mask is not None
@@ -842,7 +854,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         mask, *mask.stride(),
         h, m, queries_per_group, query_start,
         n_sink, n_hist, n_recent, n_extra,
-        hist_splits, hist_chunk, extra_chunk,
+        hist_splits, hist_chunk, recent_splits, recent_chunk, extra_chunk,
         scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
         D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,

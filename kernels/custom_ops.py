@@ -3,11 +3,14 @@
   quantize -> pack, token-wise (`key_chunk` 0, `key_blocks` empty) or channel-wise with KV head h over blocks of
   `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, n_chunks, R, d, 2]`, `oscar_hf.quant.KeyBlockLayout`),
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
+- `oscar::quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks, key_chunk)`: the same without the rotation,
+  the first row `start` read on the device (int64 tensor; negative: nothing written): a static cache's decode step;
 - `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
   merged by log-sum-exp; keys token-wise or channel-wise (`key_blocks`, `key_chunk` as above). Returns `(out, lse)`.
 - `oscar::decode_attention(q, ..., lengths, ...)`: the same kernel over a static cache's fixed buffers, lengths read
   on the device, fixed grid: what a CUDA graph of the decode step replays. Returns `out`.
-Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference` and
+Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference`,
+`oscar_hf.ops.quantize_pack_at_reference`,
 `oscar_hf.ops.segment_attention_reference` and `oscar_hf.ops.decode_attention_reference`; `oscar_hf.ops` picks.
 """
 
@@ -20,7 +23,7 @@ import torch
 from .attention import decode_attention_triton, segment_attention_triton
 from .quantize import quantize_pack_triton
 
-__all__ = ["decode_attention", "quantize_pack", "segment_attention"]
+__all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "segment_attention"]
 
 
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
@@ -33,6 +36,19 @@ def quantize_pack(
 
 @quantize_pack.register_fake
 def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> None:
+    return None
+
+
+@torch.library.custom_op("oscar::quantize_pack_at", mutates_args=("codes", "meta"))
+def quantize_pack_at(
+    x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
+    key_blocks: list[int], key_chunk: int,
+) -> None:
+    quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk)
+
+
+@quantize_pack_at.register_fake
+def _(x, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> None:
     return None
 
 

@@ -69,18 +69,25 @@ def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
 @triton.jit
 def _quantize_pack_channels_kernel(
     x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr,
-    heads, start_chunk, start,
+    heads, start_chunk, start, start_ptr,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
     sc_b, sc_h, sc_t, sc_d,
     sm_b, sm_c, sm_r, sm_d, sm_2,
     D: tl.constexpr, KEY_CHUNK: tl.constexpr, SUB: tl.constexpr,
     ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
+    DEVICE_START: tl.constexpr,
 ):
     # One program per (chunk of KEY_CHUNK tokens, batch·head). Head h splits the chunk into blocks of `block` tokens
     # (`table_ptr` [H, 2] int32: block, first meta row of the head within a chunk); per block, pass 1 finds each
     # channel's min/max, pass 2 quantizes and packs (rows rotated twice rather than held: a whole block does not fit
     # in registers at d = 256). Meta `[B, n_chunks, R, d, 2]`: block j of chunk c at row (c, offset + j).
+    # DEVICE_START: the first row is read on the device (a static cache's decode step); negative: write nothing.
+    if DEVICE_START:
+        start = tl.load(start_ptr)
+        if start < 0:
+            return
+        start_chunk = start // KEY_CHUNK
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
@@ -155,7 +162,7 @@ def _order_statistic_abs(x, k, STORE_BF16: tl.constexpr, SORT_BITS: tl.constexpr
 @triton.jit
 def _quantize_pack_kernel(
     x_ptr, rot_ptr, codes_ptr, meta_ptr,
-    n_rows, heads, start,
+    n_rows, heads, start, start_ptr,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
     sc_b, sc_h, sc_t, sc_d,
@@ -163,10 +170,14 @@ def _quantize_pack_kernel(
     clip_index,
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr,
-    UPCAST: tl.constexpr, SORT_BITS: tl.constexpr, TILES: tl.constexpr,
+    UPCAST: tl.constexpr, SORT_BITS: tl.constexpr, TILES: tl.constexpr, DEVICE_START: tl.constexpr,
 ):
     # One program per TILES consecutive tiles of BLOCK_T rows of one (batch, KV head): the rotation is read once per
-    # program, not once per tile.
+    # program, not once per tile. DEVICE_START as in `_quantize_pack_channels_kernel`.
+    if DEVICE_START:
+        start = tl.load(start_ptr)
+        if start < 0:
+            return
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
@@ -236,7 +247,7 @@ def quantize_pack_triton(
     clip_ratio: float,
     codes: torch.Tensor,
     meta: torch.Tensor,
-    start: int,
+    start: int | torch.Tensor,
     key_blocks=(),
     key_chunk: int = 0,
     tiles_per_program: int | None = None,
@@ -245,12 +256,16 @@ def quantize_pack_triton(
     `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`key_chunk == 0`,
     meta `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise with KV head h over blocks of
     `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; no
-    clip; `start` and n multiples of the chunk)."""
+    clip; `start` and n multiples of the chunk). `start` may be an int64 device tensor of one element, read by the
+    kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range)."""
     b, h, n, d = x.shape
     if n == 0:
         return
     rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
     upcast = os.environ.get("TRITON_INTERPRET") == "1"
+    device_start = isinstance(start, torch.Tensor)
+    start_ptr = start if device_start else codes  # never read for a host start
+    start = 0 if device_start else int(start)
     if key_chunk:
         if n % key_chunk or start % key_chunk:
             raise ValueError(f"channel-wise quantization takes whole chunks of {key_chunk} tokens (n={n}, start={start})")
@@ -262,15 +277,22 @@ def quantize_pack_triton(
         table = key_block_table(key_blocks, key_chunk, x.device)
         sub = math.gcd(16 if d >= 256 else 32, *(int(bk) for bk in key_blocks))  # divides every block
         _quantize_pack_channels_kernel[(n // key_chunk, b * h)](
-            x, rot, codes, meta, table, h, start // key_chunk, start,
+            x, rot, codes, meta, table, h, start // key_chunk, start, start_ptr,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
             D=d, KEY_CHUNK=key_chunk, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
-            META=_META_CODES[meta.dtype], UPCAST=upcast, num_stages=1,  # no pipelined copies of the rotation
+            META=_META_CODES[meta.dtype], UPCAST=upcast, DEVICE_START=device_start,
+            num_stages=1,  # no pipelined copies of the rotation
         )
         return
     groups = meta.shape[3]
     clip_index = min(int(clip_ratio * d + 1e-9), d)
     block_t = 16 if d >= 256 else 32
+    num_warps = 4
+    if rotation is None and n < block_t:
+        # a decode step's one token per head: a tile of one row in one warp (the 15 passes of the clip search are
+        # warp reductions then, no shared memory; 32 masked rows in 4 warps took 9 us per layer on the H200)
+        block_t = triton.next_power_of_2(n)
+        num_warps = 1 if block_t * d <= 2048 else 4
     # long prefills: several tiles per program (the rotation read once for all), while keeping >= ~4 programs per SM
     if tiles_per_program is None:
         tiles = max(1, min(QUANTIZE_LAUNCH["tiles_per_program"], triton.cdiv(n, block_t) * b * h // _MIN_PROGRAMS))
@@ -279,7 +301,7 @@ def quantize_pack_triton(
     grid = (triton.cdiv(n, block_t * tiles), b * h)
     _quantize_pack_kernel[grid](
         x, rot, codes, meta,
-        n, h, start,
+        n, h, start, start_ptr,
         *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
         clip_index,
         D=d, GROUPS=groups, BLOCK_T=block_t,
@@ -287,5 +309,6 @@ def quantize_pack_triton(
         META=_META_CODES[meta.dtype], UPCAST=upcast,
         # rows are 16-bit values (stored so, or rounded so after the rotation): 16-bit patterns for the clip search
         SORT_BITS=16 if rotation is not None or x.dtype in (torch.bfloat16, torch.float16) else 32,
-        TILES=tiles,
+        TILES=tiles, DEVICE_START=device_start, num_warps=num_warps,
     )
+

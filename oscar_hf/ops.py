@@ -1,5 +1,6 @@
 """The two hot operations of the cache, behind one signature each: the Triton kernel on CUDA (`oscar_hf.kernels`,
-registered as torch custom ops `oscar::quantize_pack` and `oscar::segment_attention`), the pure-torch twin here
+registered as torch custom ops `oscar::quantize_pack`, `oscar::quantize_pack_at`, `oscar::segment_attention` and
+`oscar::decode_attention`), the pure-torch twin here
 everywhere else. `OSCAR_HF_KERNELS=0` forces the twins; `OSCAR_HF_KERNELS=1` forces the kernels (on the CPU that
 needs `TRITON_INTERPRET=1`, which is how the CI tests them).
 """
@@ -111,6 +112,41 @@ def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), ke
                                       [int(b) for b in key_blocks], int(key_chunk))
     else:
         quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)
+
+
+def quantize_pack_at_reference(
+    x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
+    key_blocks: list[int] = (), key_chunk: int = 0,
+) -> None:
+    """`quantize_pack_reference` (rows already rotated) with the first row `start` an int64 tensor of one element on
+    x's device, so that a captured decode step can write where the token count says without a host synchronisation;
+    a negative `start` writes nothing. Channel-wise: `start` and n multiples of `key_chunk` (the caller's contract:
+    a device value cannot be checked without a synchronisation). Branch-free: the target rows are rewritten with
+    their old contents where nothing is due."""
+    n, d = x.shape[2], x.shape[3]
+    if n == 0:
+        return
+    start = start.reshape(())
+    due = start >= 0
+    first = start.clamp(min=0)
+    rows = first + torch.arange(n, device=x.device)
+    if key_chunk:
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype)
+        meta_index, meta_dim = torch.div(first, key_chunk, rounding_mode="floor") + torch.arange(n // key_chunk, device=x.device), 1
+    else:
+        q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, d // meta.shape[3], meta.dtype)
+        meta_index, meta_dim = rows, 2
+    codes.index_copy_(2, rows, torch.where(due, q.codes, codes.index_select(2, rows)))
+    meta.index_copy_(meta_dim, meta_index, torch.where(due, q.meta, meta.index_select(meta_dim, meta_index)))
+
+
+def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, kernel: bool | None = None) -> None:
+    """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
+    if use_kernels(x) if kernel is None else kernel:
+        torch.ops.oscar.quantize_pack_at(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
+                                         int(key_chunk))
+    else:
+        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention

@@ -7,7 +7,7 @@ sink / history / recent-window split, hence the same attention results), in buff
 `max_cache_len` tokens, per OSCAR layer (S sink tokens, W window, b demotion block, R = W + 2b):
 
     sink     `[B, H, S + 1, d]`  positions [0, S) (rotated);   slot S: scratch
-    history  capacity C rows, whole blocks (QuantizedHistory); row j = position S + j;  last block: scratch
+    history  capacity C rows, whole blocks (QuantizedHistory); row j = position S + j
     ring     `[B, H, R + 1, d]`  position p >= S at slot (p − S) mod R (rotated);   slot R: scratch
 
 The stored state is a function of the token count L alone, as in `OscarLayer` (which demotes whole blocks once the
@@ -17,9 +17,10 @@ window holds W + b tokens):
 
 so a decode step is branch-free: the new token goes to its sink or ring slot (the other write goes to a scratch
 slot); its value (and a token-wise key) is quantized straight into its history row, which attention reads only once
-n_hist covers it; and a channel-wise key block is quantized from the ring on the step that completes it (every other
-step writes the same computation to the scratch block). R = W + 2b leaves room for `crop` to roll back up to b + 1
-tokens exactly (assisted decoding).
+n_hist covers it; and a channel-wise key block is quantized from the ring on the step that completes it. The history
+writes take their first row on the device (`ops.quantize_pack_at`): a negative row (a sink token's, or a step that
+completes no key block) writes nothing, and the kernel exits at once. R = W + 2b leaves room for `crop` to roll
+back up to b + 1 tokens exactly (assisted decoding).
 
 The lengths live on the device in one `DecodePlan` per cache, advanced once per forward pass by the first OSCAR
 layer (FlashInfer's plan once, run per layer); the attention reads them from there (`ops.decode_attention`).
@@ -137,8 +138,8 @@ class StaticOscarLayer(OscarLayer):
         self.ring_values = value_states.new_zeros(batch, heads, r + 1, d)
         self.recent_keys = self.recent_values = None
         self.is_initialized = True
-        # every position beyond the sink has a history row (values are quantized on arrival), plus a scratch block
-        capacity = -(-max(self.max_cache_len - s, 0) // b) * b + b
+        # every position beyond the sink has a history row (values are quantized on arrival)
+        capacity = max(-(-max(self.max_cache_len - s, 0) // b) * b, b)
         kernel = ops.use_kernels(key_states, ops.attention_layout_problem(
             d, d // (cfg.group_size or d), 0 if self.history_keys.channelwise else d // (cfg.group_size or d),
             self.history_keys.kernel_key_layout[0]))
@@ -146,7 +147,6 @@ class StaticOscarLayer(OscarLayer):
             history.allocate_static(key_states, capacity)
             history.kernel = kernel
         self.kernel = kernel
-        self.scratch_row = capacity - 1
         self.block_offsets = torch.arange(b, device=key_states.device)
         if not is_torchdynamo_compiling():
             for t in self._buffers() + self._constants():
@@ -203,7 +203,7 @@ class StaticOscarLayer(OscarLayer):
         rk, rv = rotate(keys, self.key_rotation), rotate(values, self.value_rotation)
         sink_slot = torch.where(in_sink, pos, s).reshape(1)
         ring_slot = torch.where(in_sink, r, (pos - s) % r).reshape(1)
-        row = torch.where(in_sink, self.scratch_row, pos - s).reshape(1)
+        row = torch.where(in_sink, -1, pos - s).reshape(1)  # a sink token has no history row
         self.sink_keys.index_copy_(2, sink_slot, rk)
         self.sink_values.index_copy_(2, sink_slot, rv)
         self.ring_keys.index_copy_(2, ring_slot, rk)
@@ -213,13 +213,13 @@ class StaticOscarLayer(OscarLayer):
             self.history_keys.write_rows_at(rk, row)
             return
         # a key block completes when this token brings the window to W + b: quantize it then (it is still in the
-        # ring); every other step writes the same computation to the scratch block
+        # ring); on every other step the write is skipped on the device (start -1)
         excess = plan.length - s - w
         k = torch.div(excess, b, rounding_mode="floor") - 1
         due = (k >= 0) & (excess % b == 0)
-        target = torch.where(due, k, self.scratch_row // b).reshape(1)
+        first = torch.where(due, k * b, -1).reshape(1)
         slots = (k.clamp(min=0) * b + self.block_offsets) % r
-        self.history_keys.write_chunks_at(self.ring_keys.index_select(2, slots), target)
+        self.history_keys.write_chunks_at(self.ring_keys.index_select(2, slots), first)
 
     def _store_chunk(self, keys: torch.Tensor, values: torch.Tensor, view: bool = True) -> LayerView | None:
         """Several tokens (eager; one host synchronisation per pass, in `DecodePlan.advance`). Returns the attention
@@ -241,17 +241,17 @@ class StaticOscarLayer(OscarLayer):
         # history rows of every new token beyond the sink (values, token-wise keys)
         first = max(l0, s)
         if l1 > first:
-            rows = torch.arange(first - s, l1 - s, device=device)
-            self.history_values.write_rows_at(rv[:, :, first - l0 :], rows)
+            row = torch.full((1,), first - s, dtype=torch.int64, device=device)
+            self.history_values.write_rows_at(rv[:, :, first - l0 :], row)
             if not self.history_keys.channelwise:
-                self.history_keys.write_rows_at(rk[:, :, first - l0 :], rows)
+                self.history_keys.write_rows_at(rk[:, :, first - l0 :], row)
         # channel-wise key blocks completed by this chunk: positions [s + nh0, s + nh1), from the ring and the chunk
         if self.history_keys.channelwise and nh1 > nh0:
             lo = s + nh0
             split = max(lo, min(l0, s + nh1))  # [lo, split) are past tokens, in the ring
             old = self.ring_keys.index_select(2, (torch.arange(lo, split, device=device) - s) % r)
             dense = torch.cat([old, rk[:, :, max(lo, l0) - l0 : max(s + nh1 - l0, 0)]], dim=2)
-            self.history_keys.write_chunks_at(dense, torch.arange(nh0 // b, nh1 // b, device=device))
+            self.history_keys.write_chunks_at(dense, torch.full((1,), nh0, dtype=torch.int64, device=device))
         # ring: the newest tokens beyond the sink (at most R of them matter)
         ring_first = max(first, l1 - r)
         if l1 > ring_first:

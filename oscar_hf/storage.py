@@ -111,42 +111,48 @@ class QuantizedHistory:
         self.length = 0
 
     def _quantized(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows `[B, H, n, d]` (rotated) in this history's format, as new tensors named like the buffers."""
-        b, h, n, d = rows.shape
+        """Rows `[B, H, n, d]` (rotated) in this history's format (bits other than 2), as new tensors named like the
+        buffers."""
         if self.bits == 16:
             return {"dense": rows}
-        if self.bits == 2:  # through ops: the Triton kernel on CUDA
-            codes = rows.new_empty(b, h, n, d // 4, dtype=torch.uint8)
-            meta_shape = ((b, n // self.chunk, self.layout.rows_per_chunk, d, 2) if self.channelwise
-                          else (b, h, n, d // self.group_size, 2))
-            meta = rows.new_empty(meta_shape, dtype=DTYPES[self.scale_dtype])
-            ops.quantize_pack(rows, None, 1.0 if self.channelwise else self.clip_ratio, codes, meta, 0,
-                              *self.kernel_key_layout, kernel=self.kernel)
-            return {"codes": codes, "meta": meta}
         if self.channelwise:
             q = quantize_key_chunks(rows, self.bits, self.layout, self.scale_dtype)
         else:
             q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
         return {"codes": q.codes, "meta": q.meta}
 
-    def write_rows_at(self, rows: torch.Tensor, index: torch.Tensor) -> None:
-        """Token-wise: quantizes rows `[B, H, n, d]` (rotated) into rows `index` (`[n]` int64, on the device) of the
-        buffers. No host synchronisation; `length` is left to the caller."""
+    def write_rows_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
+        """Token-wise: quantizes rows `[B, H, n, d]` (rotated) into rows [start, start + n) of the buffers, `start` an
+        int64 device tensor of one element (negative: nothing is written). No host synchronisation; `length` is left
+        to the caller."""
         if self.channelwise:
             raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole chunks")
-        for name, t in self._quantized(rows).items():
-            self.buffers[name].index_copy_(2, index, t)
+        self._write_at(rows, start)
 
-    def write_chunks_at(self, rows: torch.Tensor, chunk_index: torch.Tensor) -> None:
-        """Channel-wise: quantizes `len(chunk_index)` whole chunks of rows `[B, H, nc·chunk, d]` (rotated) into chunks
-        `chunk_index` (`[nc]` int64, on the device). No host synchronisation."""
+    def write_chunks_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
+        """Channel-wise: quantizes whole chunks of rows `[B, H, nc·chunk, d]` (rotated) into rows [start, start +
+        nc·chunk), `start` an int64 device tensor of one element, a multiple of the chunk (negative: nothing is
+        written). No host synchronisation."""
         if not self.channelwise:
             raise ValueError("write_chunks_at is for channel-wise histories")
-        offsets = torch.arange(self.chunk, device=chunk_index.device)
-        row_index = (chunk_index[:, None] * self.chunk + offsets[None, :]).reshape(-1)
-        q = self._quantized(rows)
-        self.buffers["codes"].index_copy_(2, row_index, q["codes"])
-        self.buffers["meta"].index_copy_(1, chunk_index, q["meta"])
+        self._write_at(rows, start)
+
+    def _write_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
+        if self.bits == 2:  # straight into the buffers: the Triton kernel on CUDA reads `start` itself
+            ops.quantize_pack_at(rows, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
+                                 self.buffers["meta"], start, *self.kernel_key_layout, kernel=self.kernel)
+            return
+        start = start.reshape(())
+        due, first = start >= 0, start.clamp(min=0)
+        index = first + torch.arange(rows.shape[2], device=rows.device)
+        for name, t in self._quantized(rows).items():
+            dim = self._row_dim(name)
+            if name == "meta" and self.channelwise:
+                index_m = torch.div(first, self.chunk, rounding_mode="floor") + torch.arange(t.shape[1], device=rows.device)
+            else:
+                index_m = index
+            buf = self.buffers[name]
+            buf.index_copy_(dim, index_m, torch.where(due, t, buf.index_select(dim, index_m)))
 
     def _meta_rows(self, tokens: int) -> int:
         return tokens // self.chunk if self.channelwise else tokens

@@ -9,6 +9,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_bench_generate_kernel_table(tmp_path):
+    """The `kernels` section (per decode step: which kernels a compiled step launches, how long): on the CPU the
+    table lists CPU ops, so only its shape is checked here."""
+    out = tmp_path / "gpu"
+    subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections", "kernels",
+                    "--archs", "tiny", "--points", "300x1", "--new-tokens", "4", "--methods", "oscar-static-eager"],
+                   check=True, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    rows = json.loads((out / "bench_generate.json").read_text())["kernels"]
+    assert [r["method"] for r in rows] == ["oscar-static-eager"] and rows[0]["launches_per_step"] > 0
+    assert (out / "kernels_oscar-static-eager.txt").read_text().startswith("oscar-static-eager tiny L=300 B=1")
+
+
 def test_bench_generate_smoke_and_report(tmp_path):
     out = tmp_path / "gpu"
     methods = "bf16-eager,bf16-static,oscar-eager,oscar-static-eager,oscar-static"

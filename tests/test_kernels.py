@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
+from oscar_hf.ops import quantize_pack_at_reference, quantize_pack_reference, segment_attention_reference
 from test_attention import random_segments
 
 kernels = pytest.importorskip("oscar_hf.kernels", reason="Triton is not installed")
@@ -136,6 +136,34 @@ def test_channelwise_quantize_pack_matches_the_torch_twin(d, blocks, chunk, rota
     assert (a != r).float().mean().item() <= (0.01 if inexact else 0.0005) and (a - r).abs().max() <= 1
 
 
+@pytest.mark.parametrize("kind,n,start", [
+    ("token", 1, 7), ("token", 1, -1), ("token", 3, 0), ("token", 40, 2),  # a decode token, skipped, short, long
+    ("channel", 64, 64), ("channel", 64, -1), ("channel", 128, 0),
+])
+def test_quantize_pack_at_reads_its_first_row_on_the_device(kind, n, start):
+    """`oscar::quantize_pack_at` (a static cache's decode writes): the first row comes from a device tensor, a
+    negative one writes nothing, and what it writes is `quantize_pack`'s; the twin does the same without a branch."""
+    g = torch.Generator().manual_seed(n + start + 3)
+    b, h, d, cap = 2, 2, 64, 192
+    x = (torch.randn(b, h, n, d, generator=g) * 3).to(torch.bfloat16)
+    blocks, chunk = ((32, 64), 64) if kind == "channel" else ((), 0)
+
+    def fresh():
+        codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
+        meta = (torch.full((b, cap // chunk, 3, d, 2), float("nan"), dtype=torch.float16) if chunk
+                else torch.full((b, h, cap, 1, 2), float("nan"), dtype=torch.float16))
+        return codes, meta
+
+    expected = fresh()
+    if start >= 0:
+        quantize_pack_reference(x, None, 0.9, *expected, start, list(blocks), chunk)
+    for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
+        codes, meta = fresh()
+        op(x, 0.9, codes, meta, torch.tensor([start]), list(blocks), chunk)
+        assert torch.equal(codes, expected[0]), op
+        assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
+
+
 def test_key_block_tables_are_made_once_per_layout():
     """The attention and quantize launchers read each head's (block, first row) from a device table made on the first
     call and reused afterwards: a launch inside CUDA-graph capture must not create a tensor."""
@@ -252,6 +280,24 @@ def test_many_splits_merge_exactly():
     assert torch.allclose(lse1, lse2, atol=1e-3)
 
 
+def test_a_long_recent_window_splits_like_the_history():
+    """The BF16 recent window is split into tiles of about a history split's work (`recent_split_plan`), so a short
+    history does not leave the whole window to one program: several recent splits give the one-split answer."""
+    from oscar_hf.kernels.attention import recent_split_plan
+
+    assert recent_split_plan(384, 64, 64) == (6, 64)
+    assert recent_split_plan(384, 512, 64) == (1, 384)
+    assert recent_split_plan(0, 64, 64) == (1, 64)
+    args, (ref, ref_lse) = random_segments(t=1, g=4, d=64, nh=64, nr=200, dtype=torch.bfloat16, seed=6)
+    one, lse1 = segment_attention_triton(*args, target_programs=1)
+    many, lse2 = segment_attention_triton(*args, block_n=16, target_programs=64)
+    lowp_err = (_lowp_reference(args) - ref).abs().max().item()
+    for out in (one, many):
+        assert (out.double() - ref).abs().max().item() <= 3 * lowp_err + 1e-2
+    assert torch.allclose(one.float(), many.float(), atol=2e-2)
+    assert torch.allclose(lse1, lse2, atol=1e-3)
+
+
 def test_custom_ops_have_consistent_fake_implementations():
     args, _ = random_segments(t=1, g=2, d=64, nh=20, dtype=torch.bfloat16, seed=4)
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
@@ -265,6 +311,8 @@ def test_custom_ops_have_consistent_fake_implementations():
     codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
     meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)  # blocks (32, 16) in chunks of 32: R = 3
     torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.oscar.quantize_pack_at.default, (x, 1.0, codes, meta, torch.tensor([32]), [32, 16], 32),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -164,8 +164,9 @@ def test_bad_use_is_refused_with_a_clear_message():
 
 def test_buffers_are_allocated_once_and_sized_by_the_layout():
     """Nothing is reallocated while decoding (a captured graph needs fixed addresses), and the allocation is what the
-    layout says: sink + ring in BF16 (each with a scratch slot), the history for every position beyond the sink plus
-    a scratch block, channel-wise key metadata per block and token-wise value metadata per token."""
+    layout says: sink + ring in BF16 (each with a scratch slot), the history for every position beyond the sink (no
+    scratch: skipped writes take a negative row), channel-wise key metadata per block and token-wise value metadata
+    per token."""
     model, _, sta = _pair(max_cache_len=100)
     with torch.no_grad():
         model(_ids(1, 30, 7), past_key_values=sta)
@@ -176,7 +177,7 @@ def test_buffers_are_allocated_once_and_sized_by_the_layout():
         model(_ids(1, 7, 77), past_key_values=sta)
     assert [t.data_ptr() for t in layer._buffers()] == pointers
     heads, d, s, w, b = 2, 16, 4, 8, 4
-    ring, rows = w + 2 * b, -(-(100 - s) // b) * b + b
+    ring, rows = w + 2 * b, -(-(100 - s) // b) * b
     expected = 2 * (s + 1 + ring + 1) * heads * d * layer.sink_keys.element_size()  # sink and ring, model dtype
     expected += 2 * rows * heads * d // 4  # 2-bit codes, keys and values
     expected += (rows // b) * heads * d * 2 * 2 + rows * heads * 1 * 2 * 2  # fp16 (scale, min): keys per block, values per token
