@@ -248,6 +248,17 @@ def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
     return rows
 
 
+def _warmed_cache(method, model, batch, length, new_tokens, device):
+    """A fresh cache of `method` whose generate call has compiled and run once more (what the profiles measure)."""
+    torch._dynamo.reset()
+    free()
+    cache = make_cache(method, model, batch, length + new_tokens + 8)
+    for _ in range(2):  # compile, then one more warm run
+        fill(cache, model, batch, length, device)
+        generate_once(model, cache, batch, length, new_tokens + 1, method in COMPILED, device)
+    return cache
+
+
 def section_profile(device, arch, point, methods, new_tokens, out):
     """Where a compiled decode step's wall time goes outside the GPU: the Python profile (cProfile) of one generate
     call per method, after a warm-up that compiled it; the top functions by own time, per decode step, go to the log
@@ -262,12 +273,7 @@ def section_profile(device, arch, point, methods, new_tokens, out):
     length, batch, _ = point
     rows = []
     for m in methods:
-        torch._dynamo.reset()
-        free()
-        cache = make_cache(m, model, batch, length + new_tokens + 8)
-        for _ in range(2):  # compile, then one more warm run
-            fill(cache, model, batch, length, device)
-            generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        cache = _warmed_cache(m, model, batch, length, new_tokens, device)
         fill(cache, model, batch, length, device)
         profiler = cProfile.Profile()
         profiler.enable()
@@ -304,12 +310,7 @@ def section_kernels(device, arch, point, methods, new_tokens, out):
     length, batch, _ = point
     rows = []
     for m in methods:
-        torch._dynamo.reset()
-        free()
-        cache = make_cache(m, model, batch, length + new_tokens + 8)
-        for _ in range(2):
-            fill(cache, model, batch, length, device)
-            generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        cache = _warmed_cache(m, model, batch, length, new_tokens, device)
         tables = []
         # on the CPU (the smoke test) the table lists the CPU ops instead
         activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda"
@@ -420,13 +421,25 @@ def section_check(device):
     for name in ("static-eager", "static-compiled"):
         same = (outs[name] == outs["dynamic"])[:, 700:]
         first = [int((~row).nonzero()[0]) if (~row).any() else row.numel() for row in same]
-        agree = (steps[name].argmax(-1) == steps["dynamic"].argmax(-1)).float().mean().item()
-        rel = ((steps[name] - steps["dynamic"]).abs().max() / steps["dynamic"].abs().max()).item()
+        ref, got = steps["dynamic"], steps[name]
+        equal = got.argmax(-1) == ref.argmax(-1)
+        agree = equal.float().mean().item()
+        rel = ((got - ref).abs().max() / ref.abs().max()).item()
+        # a random model's logits are near ties at many positions, where rounding alone flips the argmax (0.973-0.990
+        # measured at an unchanged 1.1% logit difference): the argmax bound applies where the top-2 margin exceeds 4x
+        # the RMS logit difference (as in bench_gpu's model check)
+        top2 = ref.topk(2, dim=-1).values
+        decisive = (top2[..., 0] - top2[..., 1]) > 4 * (got - ref).pow(2).mean().sqrt()
+        agree_decisive = equal[decisive].float().mean().item() if decisive.any() else 1.0
         rows.append(dict(check=f"{name} vs dynamic OscarCache", generate_token_agreement=same.float().mean().item(),
                          generate_first_divergence=first, teacher_forced_argmax_agreement=agree,
-                         teacher_forced_max_rel_logit_diff=rel, ok=agree >= 0.98 and rel < 0.05))
+                         teacher_forced_argmax_agreement_decisive=agree_decisive,
+                         decisive_positions=int(decisive.sum()), teacher_forced_max_rel_logit_diff=rel,
+                         ok=agree_decisive > 0.99 and rel < 0.05))
         log(f"check {name} vs dynamic: generate tokens equal {same.float().mean().item():.3f} (first divergence at "
-            f"new token {first}), teacher-forced argmax {agree:.3f}, max logit diff {rel:.3f} of the logit range")
+            f"new token {first}), teacher-forced argmax {agree:.3f} ({agree_decisive:.3f} at the {int(decisive.sum())} "
+            f"positions with a clear top-1), max logit diff {rel:.3f} of the logit range "
+            f"{'ok' if agree_decisive > 0.99 and rel < 0.05 else 'FAIL'}")
     return rows
 
 

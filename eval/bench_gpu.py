@@ -264,6 +264,60 @@ def section_check(device, quick):
         log(f"check quantize_pack_at B={b} H={h} n={n} d={d} keys {layout} start {start}: {differ:.2e} of codes differ, "
             f"meta {'same' if same_meta else 'DIFFERENT'} {'ok' if passed else 'FAIL'}")
         free()
+    rows += check_static_decode(device, quick)
+    return rows
+
+
+def check_static_decode(device, quick):
+    """The static cache's decode-step ops against their twins: `rotate_store_token` (a sink and a ring position,
+    head_dim 64/128/256) and `decode_attention` over a static history with the output un-rotated in the merge."""
+    from oscar_hf.ops import decode_attention_reference, rotate_store_token_reference
+
+    rows = []
+    for (b, h, d, position) in ((1, 8, 128, 5), (8, 8, 128, 4100), (2, 1, 256, 70), (4, 2, 64, 63)):
+        s, r = 64, 512
+        keys = torch.randn(b, h, 1, d, device=device).to(torch.bfloat16)
+        values = torch.randn(b, 1, h, d, device=device).to(torch.bfloat16).transpose(1, 2)
+        rk = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
+        rv = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
+        pos = torch.tensor(position, device=device)
+        outs = []
+        for fn in (rotate_store_token_reference, torch.ops.oscar.rotate_store_token):
+            buffers = [torch.zeros(b, h, n, d, device=device, dtype=torch.bfloat16) for n in (s + 1, s + 1, r + 1, r + 1)]
+            out = fn(keys, values, rk, rv, *buffers, pos, s, r)
+            sync()
+            outs.append((out, [t[:, :, :-1] for t in buffers]))  # scratch slots: the twin's alone
+        (ref, ref_bufs), (out, bufs) = outs
+        err = ((out.float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-2)).max().item()
+        slots_err = max(((a.float() - c.float()).abs() / c.float().abs().clamp(min=1e-2)).max().item()
+                        for a, c in zip(bufs, ref_bufs))
+        passed = err <= 2 ** -7 and slots_err <= 2 ** -7  # at most one bf16 rounding apart (summation order)
+        rows.append(dict(kind="rotate_store_token", batch=b, kv_heads=h, head_dim=d, position=position, rel_err=err,
+                         slots_rel_err=slots_err, passed=passed))
+        log(f"check rotate_store_token B={b} H={h} d={d} position {position}: rel err {err:.1e}, slots {slots_err:.1e} "
+            f"{'ok' if passed else 'FAIL'}")
+        free()
+    shapes = ((1, 8, 4, 32768, 128, "mixed"), (8, 8, 4, 4096, 128, "default"), (2, 1, 4, 8192, 256, "default"))
+    for (b, h, g, length, d, layout) in (shapes if not quick else ((1, 4, 4, 1500, 64, "mixed"),)):
+        torch.manual_seed(length + b)
+        args = random_segments(b, h, g, length, d, device=device, layout=layout)
+        q, sk, sv, ck, mk, cv, mv, rec_k, rec_v = args[:9]
+        n_sink, n_hist, n_recent, t, q_start, scale, blocks, chunk = *args[12:15], args[16], args[17], *args[18:21]
+        lengths = torch.tensor([n_sink, n_hist, n_recent, 0, q_start], device=device, dtype=torch.int32)
+        rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
+        dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, rot)
+        ref = decode_attention_reference(*dargs).float()
+        lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                            else a for a in dargs)).float()
+        out = torch.ops.oscar.decode_attention(*dargs).float()
+        sync()
+        err, lowp_err = (out - ref).abs().max().item(), (lowp - ref).abs().max().item()
+        passed = bool(torch.isfinite(out).all()) and err <= 3 * lowp_err + 1e-2
+        rows.append(dict(kind="decode_attention_rotated", batch=b, kv_heads=h, gqa=g, length=length, head_dim=d,
+                         key_layout=layout, max_err=err, bf16_ref_err=lowp_err, passed=passed))
+        log(f"check decode_attention + merge un-rotation B={b} H={h} g={g} L={length} d={d} keys {layout}: err {err:.2e} "
+            f"(bf16 ref {lowp_err:.2e}) {'ok' if passed else 'FAIL'}")
+        free()
     return rows
 
 

@@ -8,7 +8,8 @@ The default gives every layer channel-wise keys over blocks of 64 tokens (2 + 32
 largest drop in held-out attention-output error per bit. The errors are those `calibrate` already uses to choose the key
 basis (`key_basis_errors`: relative error of each KV head's attention output, in its stored basis, on the held-out
 calibration tokens, disjoint from every evaluation text). UNIT=layer (default; one block per layer, which a per-layer
-kernel launch could follow) or UNIT=head; BLOCKS (default 128,64,32, largest first) the block sizes allowed.
+kernel launch could follow) or UNIT=head; BLOCKS (default 128,64,32, largest first) the block sizes allowed;
+BUDGET_BITS (default: the bits of the config's key_block) the average key bits per element to allocate.
 
     python eval/key_block_allocation_experiment.py eval niah --model smollm2-135m --output /tmp/key-blocks \
         --threads 1 --methods oscar --lengths 4096 --depths 0.1,0.3,0.5,0.7,0.9 --seeds 0,1 --quiet
@@ -25,6 +26,7 @@ from oscar_hf.quant import fake_quantize_channels
 
 UNIT = os.environ.get("UNIT", "layer")
 BLOCKS = tuple(int(b) for b in os.environ.get("BLOCKS", "128,64,32").split(","))  # largest first
+BUDGET_BITS = os.environ.get("BUDGET_BITS")
 BLOCK: dict[tuple[int, int], int] = {}  # (layer, head) -> key block
 _cache_init = C.OscarCache.__init__
 
@@ -76,7 +78,7 @@ def _allocate_for(self, model, rotations, config):
         basis = {"stored": rotations.key_rotations[layer].to(q.device)}
         errors[layer] = {b: key_basis_errors(q, k, v, basis, scale, config.replace(key_block=b, key_block_allocation="uniform"))["stored"]
                          for b in BLOCKS}
-    BLOCK.update(allocate(errors, bits(config.key_block)))
+    BLOCK.update(allocate(errors, float(BUDGET_BITS) if BUDGET_BITS else bits(config.key_block)))
     counts = {b: sum(1 for v in BLOCK.values() if v == b) for b in BLOCKS}
     average = sum(bits(v) for v in BLOCK.values()) / len(BLOCK)
     print(f"key blocks per {UNIT}: {counts} (KV heads), average key bits {average:.4f}", file=sys.stderr)

@@ -239,7 +239,10 @@ def generate_section(gen: dict, path: str) -> list[str]:
                           f"d={c['head_dim']}, {c['length']:,} tokens, ring wrapped, left padding): max error "
                           f"{c['max_abs_err']:.1e} at output scale {c['ref_scale']:.2f} — {'ok' if c['ok'] else 'FAILED'}")
             else:
-                md.append(f"- {c['check']}: teacher-forced argmax agreement {c['teacher_forced_argmax_agreement']:.3f}, max "
+                decisive = (f" ({c['teacher_forced_argmax_agreement_decisive']:.3f} at the {c['decisive_positions']} positions "
+                            "whose top-2 margin exceeds 4× the RMS logit difference, the bound checked)"
+                            if "teacher_forced_argmax_agreement_decisive" in c else "")
+                md.append(f"- {c['check']}: teacher-forced argmax agreement {c['teacher_forced_argmax_agreement']:.3f}{decisive}, max "
                           f"logit difference {100 * c['teacher_forced_max_rel_logit_diff']:.1f}% of the logit range; greedy "
                           f"generate: {100 * c['generate_token_agreement']:.0f}% of 150 new tokens equal (first divergence "
                           f"at new token {c['generate_first_divergence']}: bf16 near-ties of a random model) — "
@@ -318,6 +321,14 @@ def main(argv=None):
                 md.append(f"| model, {c.get('layout', '?')} keys (kernels vs twins) | {c['tokens']:,} tokens, batch 2, left "
                           f"padding | rel. logit error {c['rel_logit_err']:.1e}, top-1 agreement {c['top1_agreement']:.4f}"
                           f"{decisive} | – | {c['passed']} |")
+            elif c["kind"] == "rotate_store_token":
+                md.append(f"| rotate_store_token (decode store, position on the device) | B={c['batch']} H={c['kv_heads']} "
+                          f"d={c['head_dim']} position {c['position']:,} | rel. error {c['rel_err']:.1e} (slots "
+                          f"{c['slots_rel_err']:.1e}) | – | {c['passed']} |")
+            elif c["kind"] == "decode_attention_rotated":
+                md.append(f"| decode_attention, output un-rotated in the merge | B={c['batch']} H_kv={c['kv_heads']} "
+                          f"GQA={c['gqa']} L={c['length']:,} d={c['head_dim']} keys {c['key_layout']} | {c['max_err']:.2e} "
+                          f"| {c['bf16_ref_err']:.2e} | {c['passed']} |")
             else:
                 md.append(f"| {c['kind']} | {c.get('statistics_devices')} | – | – | {c['passed']} |")
     if "tune" in res:

@@ -6,6 +6,7 @@ repository root, e.g. `python -m ...` — it must stay inert, so everything happ
 """
 
 if __name__ == "oscar_hf.kernels":
-    from .custom_ops import decode_attention, quantize_pack, quantize_pack_at, segment_attention  # noqa: F401  (registers torch.ops.oscar.*)
+    from .custom_ops import (decode_attention, quantize_pack, quantize_pack_at, rotate_store_token,  # noqa: F401
+                             segment_attention)  # (registers torch.ops.oscar.*)
 
-    __all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "segment_attention"]
+    __all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "rotate_store_token", "segment_attention"]

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops import attention_layout_problem
-from .quantize import key_block_table, key_rows_per_chunk
+from .quantize import key_block_table, key_rows_per_chunk, to_storage
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -658,7 +658,9 @@ def _segment_attention_kernel(
 @triton.jit
 def _merge_kernel(
     o_ptr, so_r, so_s, so_d, lse_ptr, sl_r, sl_s, out_ptr, sout_r, sout_d, lse_out_ptr,
-    n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+    rot_ptr, srot_h, srot_i, srot_o, rows_per_head, heads,
+    n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATE: tl.constexpr, BLOCK_E: tl.constexpr,
+    INTERPRET_ROUNDING: tl.constexpr,
 ):
     r = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -670,7 +672,17 @@ def _merge_kernel(
     total = tl.sum(w, axis=0)
     o = tl.load(o_ptr + r * so_r + s[:, None] * so_s + d[None, :] * so_d, mask=(s < n_splits)[:, None], other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + r * sout_r + d * sout_d, out.to(out_ptr.dtype.element_ty))
+    if ROTATE:
+        # the output un-rotated here, out·R_Vᵀ (out_e = Σ_d out_d R[e, d]) in float32: one launch fewer per layer
+        # than a GEMV after the op; BLOCK_E output columns at a time keep R's tile in registers
+        h = (r // rows_per_head) % heads
+        for e0 in tl.static_range(0, D, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            rot = tl.load(rot_ptr + h * srot_h + e[:, None] * srot_i + d[None, :] * srot_o).to(tl.float32)
+            tl.store(out_ptr + r * sout_r + e * sout_d,
+                     to_storage(tl.sum(rot * out[None, :], axis=1), out_ptr.dtype.element_ty, INTERPRET_ROUNDING))
+    else:
+        tl.store(out_ptr + r * sout_r + d * sout_d, to_storage(out, out_ptr.dtype.element_ty, INTERPRET_ROUNDING))
     tl.store(lse_out_ptr + r, tl.where(total > 0.0, top + tl.log(tl.maximum(total, 1e-30)), float("-inf")))
 
 
@@ -767,20 +779,21 @@ def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
     queries_per_group, scale, key_blocks=(), key_chunk: int = 0, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
-    l2_ahead: int | None = None,
+    l2_ahead: int | None = None, value_rotation=None,
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
-    once), so the launch is the same every step. Returns `out [B, H, M, d]` q.dtype."""
+    once), so the launch is the same every step; `value_rotation` un-rotates the output in the merge. Returns
+    `out [B, H, M, d]` q.dtype."""
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
                      sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_blocks,
-                     key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead)
+                     key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
-            num_warps, num_stages, target_programs, prefetch, l2_ahead):
+            num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None):
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
@@ -864,10 +877,16 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
     rows = b * h * m
+    rotate = value_rotation is not None
+    if rotate and tuple(value_rotation.shape) != (h, d, d):
+        raise ValueError(f"value_rotation must be [{h}, {d}, {d}], got {list(value_rotation.shape)}")
+    rot = value_rotation if rotate else q
     _merge_kernel[(rows,)](
         partial.view(rows, n_splits, d), n_splits * d, d, 1,
         partial_lse.view(rows, n_splits), n_splits, 1,
         out.view(rows, d), d, 1, lse.view(rows),
-        n_splits, D=d, BLOCK_S=triton.next_power_of_2(n_splits),
+        rot, *(rot.stride() if rotate else (0, 0, 0)), m, h,
+        n_splits, D=d, BLOCK_S=triton.next_power_of_2(n_splits), ROTATE=rotate, BLOCK_E=max(16, min(d, 4096 // d)),
+        INTERPRET_ROUNDING=INTERPRET,
     )
     return out, lse

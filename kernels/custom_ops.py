@@ -1,17 +1,23 @@
-"""The Triton kernels as two torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
+"""The Triton kernels as torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
 - `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)`: fused rotate -> clip ->
   quantize -> pack, token-wise (`key_chunk` 0, `key_blocks` empty) or channel-wise with KV head h over blocks of
   `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, n_chunks, R, d, 2]`, `oscar_hf.quant.KeyBlockLayout`),
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
-- `oscar::quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks, key_chunk)`: the same without the rotation,
-  the first row `start` read on the device (int64 tensor; negative: nothing written): a static cache's decode step;
+- `oscar::quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring)`: the same without the
+  rotation, the first row `start` read on the device (int64 tensor; negative: nothing written), channel-wise rows
+  optionally read in place from a ring of `ring` slots: a static cache's decode step;
 - `oscar::segment_attention(q, ...)`: split-K attention over [BF16 sink | packed INT2 history | BF16 recent | extra],
   merged by log-sum-exp; keys token-wise or channel-wise (`key_blocks`, `key_chunk` as above). Returns `(out, lse)`.
 - `oscar::decode_attention(q, ..., lengths, ...)`: the same kernel over a static cache's fixed buffers, lengths read
-  on the device, fixed grid: what a CUDA graph of the decode step replays. Returns `out`.
+  on the device, fixed grid: what a CUDA graph of the decode step replays; the output un-rotated by R_Vᵀ when
+  `value_rotation` is given (in the merge). Returns `out`.
+- `oscar::rotate_store_token(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position,
+  sink_tokens, ring)`: a static cache's decode-step store (one token rotated into its sink or ring slot, the
+  position read on the device). Returns the rotated `[2, B, H, 1, d]`.
 Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference`,
 `oscar_hf.ops.quantize_pack_at_reference`,
-`oscar_hf.ops.segment_attention_reference` and `oscar_hf.ops.decode_attention_reference`; `oscar_hf.ops` picks.
+`oscar_hf.ops.segment_attention_reference`, `oscar_hf.ops.decode_attention_reference` and
+`oscar_hf.ops.rotate_store_token_reference`; `oscar_hf.ops` picks.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import torch
 
 from .attention import decode_attention_triton, segment_attention_triton
 from .quantize import quantize_pack_triton
+from .store import rotate_store_token_triton
 
-__all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "segment_attention"]
+__all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "rotate_store_token", "segment_attention"]
 
 
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
@@ -42,13 +49,13 @@ def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> Non
 @torch.library.custom_op("oscar::quantize_pack_at", mutates_args=("codes", "meta"))
 def quantize_pack_at(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-    key_blocks: list[int], key_chunk: int,
+    key_blocks: list[int], key_chunk: int, ring: int = 0,
 ) -> None:
-    quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk)
+    quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring)
 
 
 @quantize_pack_at.register_fake
-def _(x, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> None:
+def _(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=0) -> None:
     return None
 
 
@@ -83,12 +90,29 @@ def decode_attention(
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: Optional[torch.Tensor], lengths: torch.Tensor,
     queries_per_group: int, scale: float, key_blocks: list[int], key_chunk: int,
+    value_rotation: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return decode_attention_triton(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k,
-                                   ring_v, key_mask, lengths, queries_per_group, scale, key_blocks, key_chunk)
+                                   ring_v, key_mask, lengths, queries_per_group, scale, key_blocks, key_chunk,
+                                   value_rotation=value_rotation)
 
 
 @decode_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-      queries_per_group, scale, key_blocks, key_chunk):
-    return torch.empty_like(q)
+      queries_per_group, scale, key_blocks, key_chunk, value_rotation=None):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.custom_op("oscar::rotate_store_token", mutates_args=("sink_k", "sink_v", "ring_k", "ring_v"))
+def rotate_store_token(
+    keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, position: torch.Tensor,
+    sink_tokens: int, ring: int,
+) -> torch.Tensor:
+    return rotate_store_token_triton(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v,
+                                     position, sink_tokens, ring)
+
+
+@rotate_store_token.register_fake
+def _(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position, sink_tokens, ring):
+    return keys.new_empty((2, *keys.shape))

@@ -50,6 +50,17 @@ def _scale_minimum(lo, hi, META: tl.constexpr):
 
 
 @triton.jit
+def to_storage(y, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 -> the storage dtype, rounded to nearest even as on a GPU: the Triton interpreter's bf16 conversion
+    truncates, which in the CPU tests biased every stored token by up to an ulp towards zero."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    return y.to(dtype)
+
+
+@triton.jit
 def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
                   ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, UPCAST: tl.constexpr):
     x = tl.load(x_ptr + b * sx_b + h * sx_h + rows[:, None] * sx_t + cols[None, :] * sx_d, mask=row_ok[:, None], other=0.0)
@@ -59,10 +70,7 @@ def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
         else:
             x = tl.dot(x, r, out_dtype=tl.float32)
         # the torch path rotates with a matmul in the storage dtype: round the same way
-        if STORE_BF16:
-            x = x.to(tl.bfloat16)
-        else:
-            x = x.to(tl.float16)
+        x = to_storage(x, tl.bfloat16 if STORE_BF16 else tl.float16, UPCAST)
     return x.to(tl.float32)
 
 
@@ -76,13 +84,15 @@ def _quantize_pack_channels_kernel(
     sm_b, sm_c, sm_r, sm_d, sm_2,
     D: tl.constexpr, KEY_CHUNK: tl.constexpr, SUB: tl.constexpr,
     ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
-    DEVICE_START: tl.constexpr,
+    DEVICE_START: tl.constexpr, X_RING: tl.constexpr, ring_size,
 ):
     # One program per (chunk of KEY_CHUNK tokens, batch·head). Head h splits the chunk into blocks of `block` tokens
     # (`table_ptr` [H, 2] int32: block, first meta row of the head within a chunk); per block, pass 1 finds each
     # channel's min/max, pass 2 quantizes and packs (rows rotated twice rather than held: a whole block does not fit
     # in registers at d = 256). Meta `[B, n_chunks, R, d, 2]`: block j of chunk c at row (c, offset + j).
     # DEVICE_START: the first row is read on the device (a static cache's decode step); negative: write nothing.
+    # X_RING: x is a ring of `ring_size` slots, history row j at slot j mod ring_size (the static cache's BF16 ring,
+    # read in place rather than gathered first: one launch fewer per layer and step).
     if DEVICE_START:
         start = tl.load(start_ptr)
         if start < 0:
@@ -108,7 +118,8 @@ def _quantize_pack_channels_kernel(
         hi = tl.full((D,), float("-inf"), tl.float32)
         for t0 in range(0, block, SUB):
             rows = first + t0 + tl.arange(0, SUB)
-            x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
+            xrows = (start + rows) % ring_size if X_RING else rows
+            x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
             lo = tl.minimum(lo, tl.min(x, axis=0))
             hi = tl.maximum(hi, tl.max(x, axis=0))
         scale, minimum = _scale_minimum(lo, hi, META)
@@ -119,7 +130,8 @@ def _quantize_pack_channels_kernel(
         m = minimum.to(tl.float32)
         for t0 in range(0, block, SUB):
             rows = first + t0 + tl.arange(0, SUB)
-            x = _rotated_rows(x_ptr, r, b, h, rows, rows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
+            xrows = (start + rows) % ring_size if X_RING else rows
+            x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
             codes = _rint((x - m[None, :]) / s[None, :])
             codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
             codes = tl.reshape(codes, (SUB, 4, D // 4))
@@ -251,14 +263,21 @@ def quantize_pack_triton(
     key_blocks=(),
     key_chunk: int = 0,
     tiles_per_program: int | None = None,
+    ring: int = 0,
 ) -> None:
     """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
     `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`key_chunk == 0`,
     meta `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise with KV head h over blocks of
     `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; no
     clip; `start` and n multiples of the chunk). `start` may be an int64 device tensor of one element, read by the
-    kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range)."""
+    kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range).
+    `ring` > 0 (channel-wise, device `start`): x `[B, H, >= ring, d]` is a ring, history row j at slot j mod ring, and
+    the one chunk of rows [start, start + key_chunk) is read from it."""
     b, h, n, d = x.shape
+    if ring:
+        if not key_chunk or not isinstance(start, torch.Tensor) or x.shape[2] < ring:
+            raise ValueError("a ring source is read by channel-wise writes at a device start, from a ring of x's rows")
+        n = key_chunk
     if n == 0:
         return
     rot = rotation if rotation is not None else x.new_empty(1, 1, 1)
@@ -280,7 +299,7 @@ def quantize_pack_triton(
             x, rot, codes, meta, table, h, start // key_chunk, start, start_ptr,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
             D=d, KEY_CHUNK=key_chunk, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
-            META=_META_CODES[meta.dtype], UPCAST=upcast, DEVICE_START=device_start,
+            META=_META_CODES[meta.dtype], UPCAST=upcast, DEVICE_START=device_start, X_RING=ring > 0, ring_size=max(ring, 1),
             num_stages=1,  # no pipelined copies of the rotation
         )
         return

@@ -53,7 +53,7 @@ def oscar_segment_attention(
     b, hq, t, d = query.shape
     heads = view.key_rotation.shape[0]
     groups = hq // heads
-    q_rot = rotate(query.reshape(b, heads, groups, t, d), view.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
+    q_rot = rotate(query.reshape(b, heads, groups * t, d), view.key_rotation)  # row g·T + t (a view of query)
     sink_k, sink_v = view.sink_keys, view.sink_values
     hist_k, hist_v = view.history_keys, view.history_values
     key_layout = ((list(hist_k.layout.blocks), hist_k.layout.chunk) if isinstance(hist_k, QuantizedKeyChunks)
@@ -85,8 +85,7 @@ def oscar_segment_attention(
         )
         outs.append(block.reshape(b, heads, groups, t1 - t0, d))
     out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    vt = view.value_rotation.transpose(-1, -2).unsqueeze(1)
-    out = rotate(out_rot, vt).reshape(b, hq, t, d)
+    out = rotate(out_rot.reshape(b, heads, groups * t, d), view.value_rotation.transpose(-1, -2)).reshape(b, hq, t, d)
     return out.transpose(1, 2).contiguous()
 
 
@@ -123,21 +122,20 @@ def oscar_attention_forward(
 
 def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """A decode step on a static layer (`static_cache.py`): one op over its fixed buffers with the lengths on the
-    device, capturable in a CUDA graph. `query` `[B, Hq, T, d]` -> `[B, T, Hq, d]`."""
+    device, capturable in a CUDA graph; the output is un-rotated inside it (by R_Vᵀ, in the kernel's merge).
+    `query` `[B, Hq, T, d]` -> `[B, T, Hq, d]`."""
     b, hq, t, d = query.shape
     heads = layer.key_rotation.shape[0]
-    groups = hq // heads
-    q_rot = rotate(query.reshape(b, heads, groups, t, d), layer.key_rotation.unsqueeze(1)).reshape(b, heads, groups * t, d)
+    q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation)
     s, r = layer.config.sink_tokens, layer.plan.ring
     keys, values = layer.history_keys, layer.history_values
     out = ops.decode_attention(
         q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
         values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
         key_padding_mask(attention_mask), layer.plan.lengths, t, scale, *keys.kernel_key_layout,
-        kernel=layer.kernel,
+        value_rotation=layer.value_rotation, kernel=layer.kernel,
     )
-    vt = layer.value_rotation.transpose(-1, -2).unsqueeze(1)
-    return rotate(out.reshape(b, heads, groups, t, d), vt).reshape(b, hq, t, d).transpose(1, 2).contiguous()
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
 
 
 def register() -> None:

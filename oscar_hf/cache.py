@@ -29,15 +29,11 @@ from .config import OscarConfig
 from .models import check_attention_interface, kv_head_shards, text_config
 from . import ops
 from .quant import KeyBlockLayout, QuantizedKeyChunks, QuantizedRows
+from .rotation import rotate  # noqa: F401  (re-exported: the cache and attention apply rotations through it)
 from .rotations_io import OscarRotations
 from .storage import QuantizedHistory
 
 ATTENTION_NAME = "oscar"
-
-
-def rotate(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """`[B, H, n, d] @ [H, d, d]` per KV head."""
-    return torch.matmul(states, rotation)
 
 
 @dataclass

@@ -1,7 +1,6 @@
-"""The two hot operations of the cache, behind one signature each: the Triton kernel on CUDA (`oscar_hf.kernels`,
-registered as torch custom ops `oscar::quantize_pack`, `oscar::quantize_pack_at`, `oscar::segment_attention` and
-`oscar::decode_attention`), the pure-torch twin here
-everywhere else. `OSCAR_HF_KERNELS=0` forces the twins; `OSCAR_HF_KERNELS=1` forces the kernels (on the CPU that
+"""The hot operations of the cache, behind one signature each: the Triton kernel on CUDA (`oscar_hf.kernels`,
+registered as torch custom ops `oscar::quantize_pack`, `oscar::quantize_pack_at`, `oscar::segment_attention`,
+`oscar::decode_attention` and `oscar::rotate_store_token`), the pure-torch twin here everywhere else. `OSCAR_HF_KERNELS=0` forces the twins; `OSCAR_HF_KERNELS=1` forces the kernels (on the CPU that
 needs `TRITON_INTERPRET=1`, which is how the CI tests them).
 """
 
@@ -116,19 +115,24 @@ def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), ke
 
 def quantize_pack_at_reference(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-    key_blocks: list[int] = (), key_chunk: int = 0,
+    key_blocks: list[int] = (), key_chunk: int = 0, ring: int = 0,
 ) -> None:
     """`quantize_pack_reference` (rows already rotated) with the first row `start` an int64 tensor of one element on
     x's device, so that a captured decode step can write where the token count says without a host synchronisation;
     a negative `start` writes nothing. Channel-wise: `start` and n multiples of `key_chunk` (the caller's contract:
-    a device value cannot be checked without a synchronisation). Branch-free: the target rows are rewritten with
-    their old contents where nothing is due."""
-    n, d = x.shape[2], x.shape[3]
-    if n == 0:
-        return
+    a device value cannot be checked without a synchronisation); `ring` > 0: x `[B, H, >= ring, d]` is a ring whose
+    slot j mod ring holds history row j, and one chunk, rows [start, start + key_chunk), is read from it.
+    Branch-free: the target rows are rewritten with their old contents where nothing is due."""
     start = start.reshape(())
     due = start >= 0
     first = start.clamp(min=0)
+    if ring:
+        if not key_chunk:
+            raise ValueError("a ring source is for channel-wise key chunks")
+        x = x.index_select(2, (first + torch.arange(key_chunk, device=x.device)) % ring)
+    n, d = x.shape[2], x.shape[3]
+    if n == 0:
+        return
     rows = first + torch.arange(n, device=x.device)
     if key_chunk:
         q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype)
@@ -140,13 +144,14 @@ def quantize_pack_at_reference(
     meta.index_copy_(meta_dim, meta_index, torch.where(due, q.meta, meta.index_select(meta_dim, meta_index)))
 
 
-def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, kernel: bool | None = None) -> None:
+def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, ring: int = 0,
+                     kernel: bool | None = None) -> None:
     """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
     if use_kernels(x) if kernel is None else kernel:
         torch.ops.oscar.quantize_pack_at(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
-                                         int(key_chunk))
+                                         int(key_chunk), int(ring))
     else:
-        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk)
+        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
@@ -234,6 +239,7 @@ def decode_attention_reference(
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: torch.Tensor | None, lengths: torch.Tensor,
     queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
+    value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
     synchronisation, fixed shapes: what a CUDA graph can replay).
@@ -248,6 +254,8 @@ def decode_attention_reference(
         key_mask: `[B, N]` bool over positions, or None.
         lengths: int32 `[5]` on q's device: (n_sink, n_hist, n_recent, ring_lo, q_start); query row r is at position
             q_start + (r mod T) and sees positions <= its own.
+        value_rotation: `[H, d, d]` R_V, or None: the output is un-rotated (·R_Vᵀ, in float32) before its rounding to
+            q.dtype.
     Returns:
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
@@ -280,15 +288,60 @@ def decode_attention_reference(
     probs = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))
     total = probs.sum(-1, keepdim=True)
     out = torch.matmul(probs, values) / torch.where(total > 0, total, 1.0)
+    if value_rotation is not None:
+        out = torch.einsum("bhmd,hed->bhme", out, value_rotation.float())
     return out.to(q.dtype)
 
 
 def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
-                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, kernel: bool = False):
+                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, value_rotation=None,
+                     kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
     selects the Triton kernel `oscar::decode_attention`."""
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-            int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk))
+            int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk),
+            value_rotation)
     if kernel:
         return torch.ops.oscar.decode_attention(*args)
     return decode_attention_reference(*args)
+
+
+# ------------------------------------------------------------------------------------------ rotate_store_token
+def rotate_store_token_reference(
+    keys: torch.Tensor, values: torch.Tensor, key_rotation: torch.Tensor, value_rotation: torch.Tensor,
+    sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, position: torch.Tensor,
+    sink_tokens: int, ring: int,
+) -> torch.Tensor:
+    """A static cache's decode-step store: one token's key and value rotated and written to its slot, branch-free.
+
+    Args:
+        keys, values: `[B, H, 1, d]` (keys already centered, if the cache centers them).
+        key_rotation, value_rotation: `[H, d, d]`.
+        sink_k/v: `[B, H, S + 1, d]`, S = sink_tokens; ring_k/v: `[B, H, R + 1, d]`, R = ring.
+        position: int64 scalar on the device, the token's position p: sink slot p when p < S, else ring slot
+            (p − S) mod R. This twin also writes the slot it does not use at the scratch slot (S, or R); the kernel
+            writes only the real slot. Nothing reads a scratch slot.
+    Returns:
+        `[2, B, H, 1, d]`: the rotated key and value (for the history's quantizer).
+    """
+    from .rotation import rotate
+
+    rk, rv = rotate(keys, key_rotation), rotate(values, value_rotation)
+    in_sink = position < sink_tokens
+    sink_slot = torch.where(in_sink, position, sink_tokens).reshape(1)
+    ring_slot = torch.where(in_sink, ring, (position - sink_tokens) % ring).reshape(1)
+    sink_k.index_copy_(2, sink_slot, rk)
+    sink_v.index_copy_(2, sink_slot, rv)
+    ring_k.index_copy_(2, ring_slot, rk)
+    ring_v.index_copy_(2, ring_slot, rv)
+    return torch.stack([rk, rv])
+
+
+def rotate_store_token(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position,
+                       sink_tokens, ring, kernel: bool = False) -> torch.Tensor:
+    """`rotate_store_token_reference`'s contract; `kernel` selects the Triton kernel `oscar::rotate_store_token`."""
+    args = (keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position, int(sink_tokens),
+            int(ring))
+    if kernel:
+        return torch.ops.oscar.rotate_store_token(*args)
+    return rotate_store_token_reference(*args)

@@ -15,6 +15,13 @@ from __future__ import annotations
 import torch
 
 
+def rotate(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """`[B, H, n, d] @ [H, d, d]` per KV head: one batched GEMM over H. Unlike `torch.matmul`, which broadcasts the
+    rotations over B (and a query's group axis) by materialising copies of them, this reads each R_h once (in a
+    compiled decode step those copies were two extra kernels per layer, eval/KERNEL_NOTES.md)."""
+    return torch.einsum("bhnd,hde->bhne", states, rotation)
+
+
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -15,8 +15,8 @@ window holds W + b tokens):
 
     n_sink = min(L, S),   n_hist = max(0, ⌊(L − S − W) / b⌋)·b,   recent = positions [S + n_hist, L) (in the ring)
 
-so a decode step is branch-free: the new token goes to its sink or ring slot (the other write goes to a scratch
-slot); its value (and a token-wise key) is quantized straight into its history row, which attention reads only once
+so a decode step is branch-free: the new token goes to its sink or ring slot (`ops.rotate_store_token`; the torch
+twin sends the other write to a scratch slot); its value (and a token-wise key) is quantized straight into its history row, which attention reads only once
 n_hist covers it; and a channel-wise key block is quantized from the ring on the step that completes it. The history
 writes take their first row on the device (`ops.quantize_pack_at`): a negative row (a sink token's, or a step that
 completes no key block) writes nothing, and the kernel exits at once. R = W + 2b leaves room for `crop` to roll
@@ -57,6 +57,8 @@ class DecodePlan:
         length: int64 scalar, tokens stored after the current forward pass (L).
         start: int64 scalar, tokens stored before it (the position of its first token).
         lengths: int32 `[5]` for the attention: (n_sink, n_hist, n_recent, ring_lo, q_start).
+        write_rows: int64 `[2]`, a single-token pass's history writes, the same in every layer: (the token's history
+            row, or −1 for a sink token; the first row of the channel-wise key block it completes, or −1).
         host_start: `start` as a Python int, set only for multi-token passes (which synchronise once).
     """
 
@@ -66,16 +68,20 @@ class DecodePlan:
         self.length = torch.zeros((), dtype=torch.int64)
         self.start = torch.zeros((), dtype=torch.int64)
         self.lengths = torch.zeros(5, dtype=torch.int32)
+        self.write_rows = torch.full((2,), -1, dtype=torch.int64)
         self.host_start: int | None = None
         self.device = None
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.length, self.start, self.lengths, self.write_rows
 
     def initialize(self, device) -> None:
         if self.device is not None:
             return
-        self.length, self.start, self.lengths = (t.to(device) for t in (self.length, self.start, self.lengths))
+        self.length, self.start, self.lengths, self.write_rows = (t.to(device) for t in self._tensors())
         self.device = device
         if not is_torchdynamo_compiling():
-            for t in (self.length, self.start, self.lengths):
+            for t in self._tensors():
                 torch._dynamo.mark_static_address(t)
 
     def advance(self, tokens: int) -> None:
@@ -95,6 +101,13 @@ class DecodePlan:
         n_hist = torch.div(self.length - s - w, b, rounding_mode="floor").clamp(min=0) * b
         n_recent = (self.length - s - n_hist).clamp(min=0)
         self.lengths.copy_(torch.stack([n_sink, n_hist, n_recent, n_hist % self.ring, self.start]).to(torch.int32))
+        if tokens == 1:  # planned once here rather than in each layer (fewer kernels in a compiled step)
+            pos = self.start
+            # a key block completes when this token brings the window to W + b: rows [k·b, (k+1)·b), still in the ring
+            excess = self.length - s - w
+            k = torch.div(excess, b, rounding_mode="floor") - 1
+            due = (k >= 0) & (excess % b == 0)
+            self.write_rows.copy_(torch.stack([torch.where(pos < s, -1, pos - s), torch.where(due, k * b, -1)]))
 
     def set_length(self, length: int) -> None:
         self.length.fill_(length)
@@ -147,7 +160,6 @@ class StaticOscarLayer(OscarLayer):
             history.allocate_static(key_states, capacity)
             history.kernel = kernel
         self.kernel = kernel
-        self.block_offsets = torch.arange(b, device=key_states.device)
         if not is_torchdynamo_compiling():
             for t in self._buffers() + self._constants():
                 torch._dynamo.mark_static_address(t)
@@ -196,30 +208,20 @@ class StaticOscarLayer(OscarLayer):
 
     def _store_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token, on the device only: fixed shapes, no branch, no synchronisation."""
-        cfg, plan = self.config, self.plan
-        s, w, b, r = cfg.sink_tokens, cfg.window_tokens, cfg.demotion_block, plan.ring
-        pos = plan.start
-        in_sink = pos < s
-        rk, rv = rotate(keys, self.key_rotation), rotate(values, self.value_rotation)
-        sink_slot = torch.where(in_sink, pos, s).reshape(1)
-        ring_slot = torch.where(in_sink, r, (pos - s) % r).reshape(1)
-        row = torch.where(in_sink, -1, pos - s).reshape(1)  # a sink token has no history row
-        self.sink_keys.index_copy_(2, sink_slot, rk)
-        self.sink_values.index_copy_(2, sink_slot, rv)
-        self.ring_keys.index_copy_(2, ring_slot, rk)
-        self.ring_values.index_copy_(2, ring_slot, rv)
+        plan, r = self.plan, self.plan.ring
+        # rotated into its sink or ring slot in one launch (oscar::rotate_store_token)
+        rk, rv = ops.rotate_store_token(keys, values, self.key_rotation, self.value_rotation, self.sink_keys,
+                                        self.sink_values, self.ring_keys, self.ring_values, plan.start,
+                                        self.config.sink_tokens, r,
+                                        kernel=self.kernel).unbind(0)
+        row, key_block = plan.write_rows[0:1], plan.write_rows[1:2]  # -1: nothing to write (DecodePlan.advance)
         self.history_values.write_rows_at(rv, row)
         if not self.history_keys.channelwise:
             self.history_keys.write_rows_at(rk, row)
             return
-        # a key block completes when this token brings the window to W + b: quantize it then (it is still in the
-        # ring); on every other step the write is skipped on the device (start -1)
-        excess = plan.length - s - w
-        k = torch.div(excess, b, rounding_mode="floor") - 1
-        due = (k >= 0) & (excess % b == 0)
-        first = torch.where(due, k * b, -1).reshape(1)
-        slots = (k.clamp(min=0) * b + self.block_offsets) % r
-        self.history_keys.write_chunks_at(self.ring_keys.index_select(2, slots), first)
+        # the key block this token completes, quantized from the ring in place (history row j is at slot j mod R);
+        # on the other 127 steps of 128 the write is skipped on the device
+        self.history_keys.write_chunks_at(self.ring_keys, key_block, ring=r)
 
     def _store_chunk(self, keys: torch.Tensor, values: torch.Tensor, view: bool = True) -> LayerView | None:
         """Several tokens (eager; one host synchronisation per pass, in `DecodePlan.advance`). Returns the attention
@@ -316,7 +318,7 @@ class StaticOscarLayer(OscarLayer):
         """Tensors the decode step reads but never writes. Marked static like the buffers: a CUDA graph would
         otherwise copy every one of them into its input pool on every replay (measured on the H200 before this:
         0.7 ms of host time per step in `torch._foreach_copy_` for the 36 layers' rotations)."""
-        return [t for t in (self.key_rotation, self.value_rotation, self.key_mean, self.block_offsets) if t is not None]
+        return [t for t in (self.key_rotation, self.value_rotation, self.key_mean) if t is not None]
 
     def _map_batch(self, fn) -> None:
         """Batch expansion or selection (`batch_repeat_interleave`, `batch_select_indices`): new buffers of the new

@@ -129,19 +129,22 @@ class QuantizedHistory:
             raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole chunks")
         self._write_at(rows, start)
 
-    def write_chunks_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
+    def write_chunks_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
         """Channel-wise: quantizes whole chunks of rows `[B, H, nc·chunk, d]` (rotated) into rows [start, start +
         nc·chunk), `start` an int64 device tensor of one element, a multiple of the chunk (negative: nothing is
-        written). No host synchronisation."""
+        written). No host synchronisation. `ring` > 0: `rows` is a ring of that many slots holding history row j at
+        slot j mod ring, and the one chunk at `start` is read from it in place (2-bit histories)."""
         if not self.channelwise:
             raise ValueError("write_chunks_at is for channel-wise histories")
-        self._write_at(rows, start)
+        self._write_at(rows, start, ring)
 
-    def _write_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
+    def _write_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
         if self.bits == 2:  # straight into the buffers: the Triton kernel on CUDA reads `start` itself
             ops.quantize_pack_at(rows, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                                 self.buffers["meta"], start, *self.kernel_key_layout, kernel=self.kernel)
+                                 self.buffers["meta"], start, *self.kernel_key_layout, ring=ring, kernel=self.kernel)
             return
+        if ring:
+            raise ValueError(f"a ring source is read by 2-bit histories only, not {self.bits}-bit ones")
         start = start.reshape(())
         due, first = start >= 0, start.clamp(min=0)
         index = first + torch.arange(rows.shape[2], device=rows.device)

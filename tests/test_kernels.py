@@ -164,6 +164,33 @@ def test_quantize_pack_at_reads_its_first_row_on_the_device(kind, n, start):
         assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
 
 
+@pytest.mark.parametrize("start", [64, 128, 320, -1])
+def test_quantize_pack_at_reads_a_key_chunk_from_a_ring_in_place(start):
+    """`ring`: the chunk at history rows [start, start + chunk) is read from ring slots (start + i) mod R (R = 96,
+    chunk 64: start 64 wraps around, slots 64..95 then 0..31) and written exactly as `quantize_pack` writes the
+    gathered rows, by the kernel and its twin; a start of -1 writes nothing."""
+    g = torch.Generator().manual_seed(start + 7)
+    b, h, d, cap, ring, chunk = 2, 2, 64, 448, 96, 64
+    ring_buf = (torch.randn(b, h, ring + 1, d, generator=g) * 3 + torch.randn(d, generator=g)).to(torch.bfloat16)
+    blocks = [32, 64]
+
+    def fresh():
+        return (torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8),
+                torch.full((b, cap // chunk, 3, d, 2), float("nan"), dtype=torch.float16))
+
+    expected = fresh()
+    if start >= 0:
+        rows = ring_buf.index_select(2, (start + torch.arange(chunk)) % ring)
+        quantize_pack_reference(rows, None, 1.0, *expected, start, blocks, chunk)
+    if start == 64:
+        assert ((start + torch.arange(chunk)) % ring).tolist()[31:33] == [95, 0]
+    for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
+        codes, meta = fresh()
+        op(ring_buf, 1.0, codes, meta, torch.tensor([start]), blocks, chunk, ring)
+        assert torch.equal(codes, expected[0]), op
+        assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
+
+
 def test_key_block_tables_are_made_once_per_layout():
     """The attention and quantize launchers read each head's (block, first row) from a device table made on the first
     call and reused afterwards: a launch inside CUDA-graph capture must not create a tensor."""
@@ -342,6 +369,40 @@ def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config)
     assert (logits["1"] - ref).abs().max() / ref.abs().max() < 0.05
 
 
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_a_static_cache_decode_through_the_kernels_matches_the_torch_path(monkeypatch, layout):
+    """StaticOscarCache's decode steps with the kernels (`rotate_store_token`, the value and key-block writes from
+    the ring in place, `decode_attention` with the output un-rotated in the merge) against the torch twins: a prefill,
+    then single tokens across the sink boundary and two key-block completions, a left-padded row."""
+    from conftest import VOCAB, tiny_model
+    from oscar_hf import OscarConfig, OscarRotations, StaticOscarCache
+
+    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16, value_clip=0.95,
+                         **({"key_granularity": "token", "key_clip": 0.9} if layout == "token" else {}))
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    logits, histories = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("OSCAR_HF_KERNELS", mode)
+        model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=64, num_hidden_layers=2)
+        cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), config, max_cache_len=64)
+        out = []
+        with torch.no_grad():
+            out.append(model(input_ids=ids[:, :2], attention_mask=mask[:, :2], past_key_values=cache).logits.float())
+            for i in range(2, 60):  # tokens 2, 3 go to the sink; blocks complete at 28 and 44 tokens
+                out.append(model(input_ids=ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache,
+                                 position_ids=torch.full((2, 1), i)).logits.float())
+        logits[mode] = torch.cat(out, 1)
+        histories[mode] = cache.layers[0].stored_states()
+    assert int(cache.plan.lengths[1]) == 48  # the history was read, not only the windows
+    ref = logits["0"]
+    assert (logits["1"] - ref).abs().max() / ref.abs().max() < 0.05
+    for got, want in zip(histories["1"], histories["0"]):  # the same cache contents, within a bf16 rounding
+        assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+
+
 def test_transformers_imports_cleanly_from_the_repository_root():
     """From the checkout's root, `kernels` resolves to this folder; it must stay inert so transformers' probe for
     Hugging Face's `kernels` package neither crashes nor believes it is installed."""
@@ -483,3 +544,65 @@ def test_decode_kernel_reads_per_head_key_blocks_like_its_twin(case):
     if case["chunk"] and case["n_hist"] == 200:
         torch.library.opcheck(torch.ops.oscar.decode_attention.default, args,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("d,position", [(64, 2), (128, 37), (64, 4), (256, 9)])
+def test_rotate_store_token_writes_the_slot_its_twin_writes(d, position):
+    """`oscar::rotate_store_token`: the token rotated (fp32 sums, one rounding, like the twin's matmul) into sink slot
+    p (p < S) or ring slot (p − S) mod R, with the position read on the device; every other non-scratch slot of the
+    four buffers untouched, the written slot and the returned rows the exact product within one bf16 rounding."""
+    from oscar_hf.ops import rotate_store_token_reference
+    from oscar_hf.rotation import hadamard
+
+    gen = torch.Generator().manual_seed(d + position)
+    b, h, s, r = 2, 3, 4, 12
+    keys = torch.randn(b, h, 1, d, generator=gen).to(torch.bfloat16)
+    values = torch.randn(b, 1, h, d, generator=gen).to(torch.bfloat16).transpose(1, 2)  # strided, like v_proj's
+    rk = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].to(torch.bfloat16)
+    rv = (hadamard(d).expand(h, d, d) * torch.tensor([1.0, -1.0, 1.0]).view(h, 1, 1)).to(torch.bfloat16)
+    pos = torch.tensor(position, dtype=torch.int64)
+    results = []
+    for op in (rotate_store_token_reference, torch.ops.oscar.rotate_store_token):
+        buffers = [torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+                   for n in (s + 1, s + 1, r + 1, r + 1)]
+        out = op(keys, values, rk, rv, *buffers, pos, s, r)
+        results.append((out, [buf[:, :, :-1] for buf in buffers]))  # the scratch slots are the twin's alone
+    (ref, ref_bufs), (out, bufs) = results
+    expected = torch.stack([torch.matmul(keys.double(), rk.double()), torch.matmul(values.double(), rv.double())])
+    assert out.shape == (2, b, h, 1, d) and out.dtype == torch.bfloat16
+    # both round the float32 sum to nearest: half a bf16 ulp from the exact product, plus the float32 sums' own error
+    half_ulp = expected.abs() * 2 ** -8 + 1e-6
+    assert ((ref.double() - expected).abs() <= half_ulp).all()
+    assert ((out.double() - expected).abs() <= half_ulp * 1.01).all()
+    for got, want in zip(bufs, ref_bufs):  # same slot written, with the kernel's own rounding
+        slot = position if position < s else (position - s) % r
+        diff = (got.double() - want.double()).abs()
+        assert (diff <= want.double().abs() * 2 ** -7 + 1e-6).all()
+        untouched = torch.ones(got.shape[2], dtype=torch.bool)
+        if (got.shape[2] == s) == (position < s):
+            untouched[slot] = False
+        assert torch.equal(got[:, :, untouched], want[:, :, untouched])
+    torch.library.opcheck(torch.ops.oscar.rotate_store_token.default,
+                          (keys, values, rk, rv, *[t.clone() for t in bufs], pos, s, r),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_decode_kernel_un_rotates_its_output_in_the_merge():
+    """`value_rotation`: the merge returns out·R_Vᵀ (float32, one rounding), what the twin computes."""
+    from oscar_hf.ops import decode_attention_reference
+
+    d, h = 128, 2
+    args = _static_buffers(b=2, g=4, t=1, d=d, h=h, capacity=256, n_hist=136, ring=24, n_recent=20, ring_lo=10,
+                           blocks=(64, 64), chunk=128, seed=3)
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=torch.Generator().manual_seed(4), dtype=torch.float64))[0]
+    rot = rot.to(torch.bfloat16)
+    ref = decode_attention_reference(*args, rot).double()
+    plain = decode_attention_reference(*args).double()
+    assert (ref - torch.einsum("bhmd,hed->bhme", plain, rot.double())).abs().max() < 2e-2  # it does un-rotate
+    out = torch.ops.oscar.decode_attention(*args, rot)
+    lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                        else a for a in args), rot).double()
+    err, lowp_err = (out.double() - ref).abs().max().item(), (lowp - ref).abs().max().item()
+    assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, rot),
+                          test_utils=("test_schema", "test_faketensor"))
