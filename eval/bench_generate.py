@@ -12,7 +12,7 @@ B·N / (t(N+1) − t(1)). Methods are interleaved within a round; one warm-up ro
 the best of `--rounds`. GPU time per token: the summed CUDA kernel time of the two calls under the profiler,
 differenced the same way. Roofline per step: (weights + KV bytes a step must read) / measured copy bandwidth.
 
-Sections: `kernels` (the CUDA kernels of one compiled decode step, per method), `profile` (its host time,
+Sections: `memory` (what a static cache of 128K tokens allocates, and that decode adds nothing), `kernels` (the CUDA kernels of one compiled decode step, per method), `profile` (its host time,
 cProfile), `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
 wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`.
 """
@@ -231,7 +231,9 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
     return row
 
 
-def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
+def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw, on_row=None):
+    """One row per (arch, point); `on_row(rows)` after each (the caller saves them: a call killed at its time limit
+    keeps the points it measured)."""
     import oscar_hf  # noqa: F401  (registers the "oscar" attention)
 
     rows = []
@@ -245,7 +247,27 @@ def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw):
             free()
             rows.append(measure_point(model, arch, length, batch, [m for m in methods if not only or m in only],
                                       new_tokens, rounds, device, copy_bw))
+            if on_row:
+                on_row(rows)
     return rows
+
+
+def merge_speed_rows(old_rows, new):
+    """The file's speed rows with `new` merged in: a point measured again keeps the methods this call did not run
+    (an earlier call's, file given back)."""
+    old = {(r["arch"], r["length"], r["batch"]): r for r in old_rows}
+    for r in new:
+        r = dict(r)
+        key = (r["arch"], r["length"], r["batch"])
+        if key in old:
+            skipped = {**old[key].get("skipped", {}), **r.get("skipped", {})}
+            r.update({k: v for k, v in old[key].items() if k not in r})
+            measured = any(k.endswith("_tokens_per_s") for k in r)
+            # a method skipped now but measured by an earlier call keeps that call's figures
+            r["skipped"] = {m: why for m, why in skipped.items()
+                            if f"{m}_tokens_per_s" not in r and not (m == "all" and measured)}
+        old[key] = r
+    return list(old.values())
 
 
 def _warmed_cache(method, model, batch, length, new_tokens, device):
@@ -340,6 +362,36 @@ def section_kernels(device, arch, point, methods, new_tokens, out):
                          launches_per_step=launches, top=[(n[:120], c, u) for n, c, u in per_step[:40]]))
         log(f"kernels {m} L={length} B={batch}: {total:.1f} us in {launches:.0f} launches per step; top: " +
             "; ".join(f"{n[:60]} {u:.1f} us ({c:.0f}x)" for n, c, u in per_step[:12]))
+        del cache
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def section_memory(device, arch, max_len=131072, prompt=4096, new_tokens=32):
+    """What the CUDA allocator holds for a static cache of `max_len` tokens at batch 1 (buffers are allocated at the
+    first store), in bits per KV element (layers x 2 x KV heads x head_dim x max_len), and whether it grows while
+    `generate` decodes `new_tokens` more (it must not: every buffer is fixed)."""
+    model = build_model(arch, device)
+    cfg = model.config
+    elements = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * max_len
+    rows = []
+    for m in ("bf16-static", "oscar-static-eager"):
+        free()
+        before = torch.cuda.memory_allocated(device)
+        cache = make_cache(m, model, 1, max_len)
+        fill(cache, model, 1, prompt, device)
+        free()
+        held = torch.cuda.memory_allocated(device) - before
+        generate_once(model, cache, 1, prompt, new_tokens, False, device)
+        free()
+        grown = torch.cuda.memory_allocated(device) - before - held
+        row = dict(arch=arch, method=m, max_cache_len=max_len, batch=1, allocated_bytes=held,
+                   bits_per_element=8 * held / elements, grew_during_decode_bytes=grown)
+        if hasattr(cache, "memory_report"):
+            row["memory_report"] = cache.memory_report()
+        rows.append(row)
+        log(f"memory {arch} {m} max_cache_len={max_len}: {held / GIB:.3f} GiB, {row['bits_per_element']:.3f} bits per "
+            f"element; after {new_tokens} decode steps {grown} bytes more")
         del cache
     return rows
 
@@ -491,26 +543,22 @@ def main(argv=None):
                 length, batch, only = points[0]
                 results["profile"] = section_profile(device, args.archs.split(",")[0], points[0],
                                                      [m for m in methods if not only or m in only], args.new_tokens, out)
+            elif name == "memory":
+                results["memory"] = section_memory(device, args.archs.split(",")[0])
             elif name == "kernels":
                 results["kernels"] = section_kernels(device, args.archs.split(",")[0], points[0],
                                                      [m for m in methods if not points[0][2] or m in points[0][2]],
                                                      args.new_tokens, out)
             elif name == "speed":
                 archs = args.archs.split(",")
-                new = section_speed(device, archs, points, methods, args.new_tokens, args.rounds, results["copy_bandwidth"])
-                # a point measured again keeps the methods this call did not run (an earlier call's, file given back)
-                old = {(r["arch"], r["length"], r["batch"]): r for r in results.get("speed", [])}
-                for r in new:
-                    key = (r["arch"], r["length"], r["batch"])
-                    if key in old:
-                        skipped = {**old[key].get("skipped", {}), **r.get("skipped", {})}
-                        r.update({k: v for k, v in old[key].items() if k not in r})
-                        measured = any(k.endswith("_tokens_per_s") for k in r)
-                        # a method skipped now but measured by an earlier call keeps that call's figures
-                        r["skipped"] = {m: why for m, why in skipped.items()
-                                        if f"{m}_tokens_per_s" not in r and not (m == "all" and measured)}
-                    old[key] = r
-                results["speed"] = list(old.values())
+                before = list(results.get("speed", []))
+
+                def save(rows):
+                    results["speed"] = merge_speed_rows(before, rows)
+                    path.write_text(json.dumps(results, indent=1, default=str))
+
+                save(section_speed(device, archs, points, methods, args.new_tokens, args.rounds,
+                                   results["copy_bandwidth"], on_row=save))
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

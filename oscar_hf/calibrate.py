@@ -41,7 +41,8 @@ from .rotations_io import FINGERPRINT_KEY, LAYOUT_FIELDS, OscarRotations, geomet
 CAPTURE_NAME = "oscar_capture"
 # Fewer KV heads than this in the OSCAR layers keep key_block everywhere: the allocation trusts one held-out sequence's
 # errors, and with few heads each move is a large share of the budget. Gemma-3-270M (three global layers of one KV
-# head) lost perplexity with it (20.03 vs 19.90 uniform; BF16 19.67) while models with 48-90 heads gained.
+# head) lost perplexity with it (20.03 vs 19.90 uniform; BF16 19.67) while models with 48-90 heads gained. Waived when
+# the budget exceeds key_block everywhere (OscarConfig.allocation_key_bits): then no head gives up bits.
 MIN_ALLOCATION_HEADS = 16
 TARGETS = ("query", "key", "value", "attention", "logit")
 _QUERY_BLOCK = 256
@@ -355,17 +356,27 @@ def key_block_errors(query, key, value, rotation: torch.Tensor, scale: float,
             for block in config.key_block_choices}
 
 
-def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: OscarConfig) -> dict[int, tuple[int, ...]]:
+def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: OscarConfig,
+                        key_bits: float | None = None) -> dict[int, tuple[int, ...]]:
     """The channel-wise key block of every (layer, KV head), `{layer: (block, ...)}`, that minimises the summed
-    held-out error `errors[layer][block][head]` with at most the metadata of `config.key_block` everywhere.
+    held-out error `errors[layer][block][head]` with at most `key_bits` average key bits per element (default: the
+    metadata of `config.key_block` everywhere; calibration passes `config.allocation_key_bits(head_dim)`).
 
     Exact (a multiple-choice knapsack by dynamic programming): a head with block b costs demotion_block / b
-    (scale, minimum) rows per demotion block, and the budget is the same count with key_block everywhere. Unlike a
-    greedy, it keeps uniform blocks when moving bits between few heads does not pay (Gemma 3 has one KV head in each
-    of three global layers)."""
+    (scale, minimum) rows per demotion block, and the budget is the count those bits pay for. Unlike a greedy, it
+    keeps uniform blocks when moving bits between few heads does not pay (Gemma 3 has one KV head in each of three
+    global layers)."""
     chunk = config.demotion_block
     units = [(layer, head) for layer in sorted(errors) for head in range(len(next(iter(errors[layer].values()))))]
-    budget = len(units) * chunk // config.key_block
+    if key_bits is None:
+        budget = len(units) * chunk // config.key_block
+    else:  # rows of 2 * meta_bits per channel each add 2 * meta_bits / chunk bits per key element
+        budget = int(len(units) * (key_bits - config.bits) * chunk / (2 * config.meta_bits) + 1e-9)
+    coarsest = chunk // max(config.key_block_choices)
+    if budget < len(units) * coarsest:
+        raise ValueError(f"a key budget of {key_bits} bits per element is below the coarsest key block "
+                         f"({max(config.key_block_choices)} tokens, {config.bits + 2 * config.meta_bits / max(config.key_block_choices):g} bits): "
+                         "raise OscarConfig.allocation_history_bits")
     choices = sorted(config.key_block_choices)  # finest first
     inf = float("inf")
     best = [0.0] + [inf] * budget  # best[c]: least error of the units so far using exactly c rows
@@ -516,9 +527,11 @@ def calibrate(
     key_clips = value_clips = key_blocks = None
     curves: dict[int, dict] = {}
     block_errors: dict[int, dict[int, torch.Tensor]] = {}
+    key_bits = config.allocation_key_bits(geometry.head_dim)
     allocate = (config.key_granularity == "channel" and config.key_block_allocation == "fitted"
                 and len(config.key_block_choices) > 1
-                and len(geometry.oscar_layers) * geometry.num_key_value_heads >= MIN_ALLOCATION_HEADS)
+                and (len(geometry.oscar_layers) * geometry.num_key_value_heads >= MIN_ALLOCATION_HEADS
+                     or key_bits > config.bits + 2 * config.meta_bits / config.key_block + 1e-9))
     if heldout and config.bits < 16:
         key_clips, value_clips = {}, {}
         layers = geometry.oscar_layers
@@ -544,7 +557,7 @@ def calibrate(
             curves[layer] = errs
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
         if allocate:
-            key_blocks = allocate_key_blocks(block_errors, config)
+            key_blocks = allocate_key_blocks(block_errors, config, key_bits)
     seconds = time.perf_counter() - start
 
     import transformers
@@ -574,9 +587,10 @@ def calibrate(
         } if key_bases else None,
         "key_block_allocation": {
             "objective": "least summed relative attention-output error on held-out tokens (keys quantized in the "
-                         "stored basis, values exact) at the metadata of key_block everywhere",
+                         "stored basis, values exact) within budget_key_bits",
             "choices": list(config.key_block_choices),
-            "average_key_bits": round(sum(config.bits + 2 * (32 if config.scale_dtype == "float32" else 16) / b for bl in key_blocks.values() for b in bl)
+            "budget_key_bits": round(key_bits, 4),
+            "average_key_bits": round(sum(config.bits + 2 * config.meta_bits / b for bl in key_blocks.values() for b in bl)
                                       / sum(len(bl) for bl in key_blocks.values()), 4),
             "errors": {str(layer): {str(b): e.tolist() for b, e in errs.items()} for layer, errs in block_errors.items()},
         } if key_blocks else None,

@@ -56,9 +56,15 @@ class OscarConfig:
             or 2·key_block tokens (those dividing demotion_block), at the same total bits as key_block everywhere,
             choosing the allocation with the lowest held-out attention error (finer ranges where keys need them),
             stored with the rotations (models with fewer than 16 KV heads in their full-attention layers keep
-            key_block everywhere: `calibrate.MIN_ALLOCATION_HEADS`); rotations without an allocation get key_block
-            everywhere. `"uniform"`:
-            key_block for every head.
+            key_block everywhere, unless `allocation_history_bits` gives them more bits than that:
+            `calibrate.MIN_ALLOCATION_HEADS`); rotations without an allocation get key_block everywhere.
+            `"uniform"`: key_block for every head.
+        allocation_history_bits: history bits per element (keys and values averaged) a fitted allocation may spend.
+            `None` (default): those of key_block everywhere, except where values are cheaper than at head_dim 128
+            (value groups over 128 channels: head_dim 256 stores values at 2.125 bits) — there the keys may use up
+            to a history of bits + 0.5 (KIVI-2 g64's, the size allowed at head_dim 128): 2.875 key bits at head_dim
+            256, which Gemma-3-270M spends as blocks of 32, 32 and 64 (code perplexity +3.0% -> +2.7% over BF16,
+            8K code needles 8/10 -> 9/10; eval/NOTES.md). Used at calibration only; the file stores the blocks.
         key_granularity: `"channel"` (default) or `"token"` (the paper's recipe: a scale/minimum per token and group
             of channels, after the clip).
         key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
@@ -95,6 +101,7 @@ class OscarConfig:
     demotion_block: int = 128
     key_block: int = 64
     key_block_allocation: str = "fitted"
+    allocation_history_bits: float | None = None
     key_granularity: str = "channel"
     key_clip: str | float = "fitted"
     value_clip: str | float = "fitted"
@@ -137,6 +144,10 @@ class OscarConfig:
         check_int("key_block", 1)
         if self.key_block_allocation not in KEY_BLOCK_ALLOCATIONS:
             fail("key_block_allocation", f"must be one of {KEY_BLOCK_ALLOCATIONS}")
+        if self.allocation_history_bits is not None and (
+                isinstance(self.allocation_history_bits, bool) or not isinstance(self.allocation_history_bits, (int, float))
+                or not self.bits < self.allocation_history_bits <= 16):
+            fail("allocation_history_bits", f"must be None or a number of bits above bits ({self.bits}) and at most 16")
         if self.key_granularity == "channel" and self.demotion_block % self.key_block:
             fail("key_block", f"must divide demotion_block ({self.demotion_block}): keys enter the history in "
                               "whole demotion blocks")
@@ -214,16 +225,36 @@ class OscarConfig:
                 "demotion_block")
         return fitted
 
+    @property
+    def meta_bits(self) -> int:
+        """Bits of one stored scale or minimum."""
+        return {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
+
+    def value_bits(self, head_dim: int) -> float:
+        """Bits per stored value element: codes plus a scale and minimum per group of channels."""
+        return self.bits + 2 * self.meta_bits / (self.group_size or head_dim)
+
+    def allocation_key_bits(self, head_dim: int) -> float:
+        """Average key bits per element a fitted allocation may spend at `head_dim` (`allocation_history_bits`; for
+        uniform blocks or token-wise keys, the bits of that layout)."""
+        if self.key_granularity != "channel":
+            return self.value_bits(head_dim)
+        uniform = self.bits + 2 * self.meta_bits / self.key_block
+        if self.key_block_allocation == "uniform":
+            return uniform
+        if self.allocation_history_bits is not None:
+            return 2 * float(self.allocation_history_bits) - self.value_bits(head_dim)
+        if (self.group_size or head_dim) > 128:  # values cheaper than at head_dim 128: the keys may take the rest
+            return max(uniform, 2 * (self.bits + 0.5) - self.value_bits(head_dim))
+        return uniform
+
     def history_bits_per_element(self, head_dim: int) -> float:
         """Bits per element of the quantized history (keys and values averaged): codes plus the 16-bit (or 32-bit)
         scale and minimum, per group of channels (values; token-wise keys) or per block of tokens (channel-wise keys:
-        key_block on average; a fitted allocation spends at most those bits)."""
+        key_block on average; a fitted allocation spends at most `allocation_key_bits`)."""
         if self.bits == 16:
             return 16.0
-        meta_bits = {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
-        value_bits = self.bits + 2 * meta_bits / (self.group_size or head_dim)
-        key_bits = self.bits + 2 * meta_bits / self.key_block if self.key_granularity == "channel" else value_bits
-        return (key_bits + value_bits) / 2
+        return (self.allocation_key_bits(head_dim) + self.value_bits(head_dim)) / 2
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

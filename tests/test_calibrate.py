@@ -196,6 +196,29 @@ def test_key_block_allocation_is_the_exact_optimum_within_the_budget():
     assert allocate_key_blocks(even, config) == {0: (64, 64, 64)}
 
 
+def test_key_block_allocation_spends_a_larger_key_budget_exactly():
+    import itertools
+
+    from oscar_hf.calibrate import allocate_key_blocks
+
+    config = OscarConfig()
+    # Gemma 3's case: three layers of one KV head at head_dim 256 may spend 2.875 key bits: int(3 * 0.875 * 128 / 32)
+    # = 10 metadata rows per chunk, i.e. two heads at 32 (4 rows each) and one at 64 (2 rows)
+    errors = {layer: {32: torch.tensor([1.0 + e]), 64: torch.tensor([2.0 + e]), 128: torch.tensor([4.0 + e])}
+              for layer, e in ((5, 0.3), (11, 0.1), (17, 0.2))}
+    blocks = allocate_key_blocks(errors, config, config.allocation_key_bits(256))
+    assert sorted(b for bl in blocks.values() for b in bl) == [32, 32, 64]
+    g = torch.Generator().manual_seed(5)
+    for trial in range(10):
+        errors = {layer: {b: torch.rand(1, generator=g) * b for b in (32, 64, 128)} for layer in (0, 1, 2)}
+        flat = [b for bl in allocate_key_blocks(errors, config, 2.875).values() for b in bl]
+        total = lambda c: sum(float(errors[l][b][0]) for l, b in zip((0, 1, 2), c))  # noqa: E731
+        feasible = [c for c in itertools.product((32, 64, 128), repeat=3) if sum(128 // b for b in c) <= 10]
+        assert sum(128 // b for b in flat) <= 10 and total(flat) == pytest.approx(min(map(total, feasible)), abs=1e-12)
+    with pytest.raises(ValueError, match="below the coarsest key block"):
+        allocate_key_blocks(errors, config, 2.1)
+
+
 def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_file, tmp_path, monkeypatch):
     import oscar_hf.calibrate as calibration
 
@@ -203,6 +226,14 @@ def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_
     config = OscarConfig(**{**SMALL, "demotion_block": 32, "key_block": 16})  # choices 16, 32, 8
     # the tiny model has 3 layers x 2 KV heads: too few to allocate between by default
     assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False).key_blocks is None
+    # ... unless the budget exceeds key_block everywhere: then no head gives up bits, and it allocates within it
+    d = model_geometry(model.config).head_dim
+    richer = config.replace(allocation_history_bits=config.history_bits_per_element(d) + 0.25)
+    rich = calibrate(model, char_tokenizer(), data=str(text_file), config=richer, progress=False)
+    assert rich.key_blocks is not None
+    info = rich.metadata["key_block_allocation"]
+    assert info["budget_key_bits"] == pytest.approx(richer.allocation_key_bits(d), abs=1e-4)
+    assert config.allocation_key_bits(d) < info["average_key_bits"] <= info["budget_key_bits"] + 1e-9
     monkeypatch.setattr(calibration, "MIN_ALLOCATION_HEADS", 6)
     rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
     assert set(rot.key_blocks) == set(rot.layers)

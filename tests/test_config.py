@@ -16,11 +16,24 @@ def test_defaults_and_their_bits():
     assert OscarConfig(bits=16).history_bits_per_element(128) == 16
 
 
+def test_allocation_budget_spends_what_cheap_values_leave_at_head_dim_256():
+    c = OscarConfig()
+    # head_dim 256: values cost 2 + 32/256 = 2.125 bits, so the fitted keys may use 2.875 (history 2.5, KIVI-2 g64's)
+    assert c.value_bits(256) == 2.125 and c.allocation_key_bits(256) == 2.875 and c.history_bits_per_element(256) == 2.5
+    # head_dim <= 128: the bits of key_block everywhere (2.5)
+    assert c.allocation_key_bits(128) == c.allocation_key_bits(64) == 2.5
+    assert c.replace(key_block_allocation="uniform").allocation_key_bits(256) == 2.5  # no allocation, no extra bits
+    assert c.replace(allocation_history_bits=2.5).allocation_key_bits(128) == 2.75
+    assert c.replace(key_granularity="token", demotion_block=8).allocation_key_bits(256) == 2.125
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
         ("bits", 5), ("bits", True), ("group_size", 0), ("sink_tokens", -1), ("window_tokens", 1.5),
         ("demotion_block", 0), ("key_block", 0), ("key_block", 48), ("key_block_allocation", "greedy"),
+        ("allocation_history_bits", 2), ("allocation_history_bits", 17.0), ("allocation_history_bits", True),
+        ("allocation_history_bits", "2.5"),
         ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
         ("scale_dtype", "int8"), ("key_granularity", "row"), ("choose_key_basis", "yes"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
         ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),

@@ -281,6 +281,8 @@ def calibration_key(config: OscarConfig) -> str:
     if config.key_granularity == "channel" and (config.key_block != config.demotion_block
                                                 or config.key_block_allocation != "uniform"):
         key += f",key_block={config.key_block},key_block_allocation={config.key_block_allocation}"
+        if config.key_block_allocation == "fitted":  # its budget (None: the head_dim rule of allocation_key_bits)
+            key += f",allocation_history_bits={config.allocation_history_bits}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
 
