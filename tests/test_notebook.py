@@ -18,7 +18,10 @@ def test_quickstart_notebook_runs(tmp_path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # interrupt_on_timeout: a cell that outlives the timeout fails with the kernel's traceback (where it was), not
+    # only its source
+    NotebookClient(nb, timeout=1200, interrupt_on_timeout=True, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     text = "\n".join(o.get("text", "") for o in outputs)
     assert "bits/element" in text and "greedy tokens identical" in text
