@@ -12,7 +12,7 @@ B·N / (t(N+1) − t(1)). Methods are interleaved within a round; one warm-up ro
 the best of `--rounds`. GPU time per token: the summed CUDA kernel time of the two calls under the profiler,
 differenced the same way. Roofline per step: (weights + KV bytes a step must read) / measured copy bandwidth.
 
-Sections: `memory` (what a static cache of 128K tokens allocates, and that decode adds nothing), `kernels` (the CUDA kernels of one compiled decode step, per method), `profile` (its host time,
+Sections: `memory` (what a static cache of 128K tokens allocates, and that decode adds nothing), `kernels` (the CUDA kernels of one compiled decode step, per method), `runtime` (the CUDA runtime calls and device reads of a decode step on the host, per method), `profile` (its host time,
 cProfile), `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
 wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`.
 """
@@ -274,11 +274,23 @@ def _warmed_cache(method, model, batch, length, new_tokens, device):
     """A fresh cache of `method` whose generate call has compiled and run once more (what the profiles measure)."""
     torch._dynamo.reset()
     free()
-    cache = make_cache(method, model, batch, length + new_tokens + 8)
     for _ in range(2):  # compile, then one more warm run
+        cache = reusable(method, model, batch, length + new_tokens + 8, locals().get("cache"))
         fill(cache, model, batch, length, device)
         generate_once(model, cache, batch, length, new_tokens + 1, method in COMPILED, device)
     return cache
+
+
+def reusable(method, model, batch, max_len, cache=None):
+    """`cache` itself where fill() resets it (static caches: their addresses are what a compiled step captured), else
+    a new one: a dynamic cache only grows."""
+    from transformers import StaticCache
+
+    from oscar_hf import StaticOscarCache
+
+    if isinstance(cache, (StaticCache, StaticOscarCache)):
+        return cache
+    return make_cache(method, model, batch, max_len)
 
 
 def section_profile(device, arch, point, methods, new_tokens, out):
@@ -295,7 +307,7 @@ def section_profile(device, arch, point, methods, new_tokens, out):
     length, batch, _ = point
     rows = []
     for m in methods:
-        cache = _warmed_cache(m, model, batch, length, new_tokens, device)
+        cache = reusable(m, model, batch, length + new_tokens + 8, _warmed_cache(m, model, batch, length, new_tokens, device))
         fill(cache, model, batch, length, device)
         profiler = cProfile.Profile()
         profiler.enable()
@@ -316,10 +328,17 @@ def section_profile(device, arch, point, methods, new_tokens, out):
     return rows
 
 
-def section_kernels(device, arch, point, methods, new_tokens, out):
+# What the `runtime` section counts on the host: CUDA runtime/driver calls (a synchronising one stalls the host until
+# the GPU drains: the launch queue then no longer hides the host's work) and the aten ops that read a device value.
+RUNTIME_EVENTS = ("cuda", "cu", "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero",
+                  "aten::_to_copy", "aten::copy_")
+
+
+def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False):
     """What a compiled decode step runs on the GPU: the CUDA kernels of one generate call of N + 1 tokens minus one of
     1 token (both under torch.profiler, after a warm-up that compiled the step), per step: name, launches, µs. The
-    table per method goes to the log and to `kernels_<method>.txt`."""
+    table per method goes to the log and to `kernels_<method>.txt`. `runtime`: the host side instead, the
+    `RUNTIME_EVENTS` calls per step with their host µs (`runtime_<method>.txt`): where an eager step waits."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -335,9 +354,10 @@ def section_kernels(device, arch, point, methods, new_tokens, out):
         cache = _warmed_cache(m, model, batch, length, new_tokens, device)
         tables = []
         # on the CPU (the smoke test) the table lists the CPU ops instead
-        activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda"
+        activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda" and not runtime
                           else (ProfilerActivity.CPU, DeviceType.CPU))
         for n in (new_tokens + 1, 1):
+            cache = reusable(m, model, batch, length + new_tokens + 8, cache)
             fill(cache, model, batch, length, device)
             ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
             with prof(activities=[activity]) as p, torch.no_grad():
@@ -346,21 +366,39 @@ def section_kernels(device, arch, point, methods, new_tokens, out):
                 sync()
             table = defaultdict(lambda: [0, 0.0])
             for e in p.events():
-                if e.device_type == kind:
+                if e.device_type == kind and (not runtime or e.name.startswith(RUNTIME_EVENTS)):
                     table[e.name][0] += 1
                     table[e.name][1] += e.time_range.elapsed_us()
             tables.append(table)
+            if runtime and n > 1:  # every host op of the long call by its own time: what the step's wall is made of
+                (out / f"runtime_{m}_ops.txt").write_text(
+                    p.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
         long, short = tables
         per_step = sorted(((name, (c - short.get(name, (0, 0))[0]) / new_tokens, (us - short.get(name, (0, 0.0))[1]) / new_tokens)
                            for name, (c, us) in long.items()), key=lambda r: -r[2])
         total = sum(r[2] for r in per_step)
         launches = sum(r[1] for r in per_step)
         text = "\n".join(f"{us:9.1f} us {cnt:7.1f}x  {name[:160]}" for name, cnt, us in per_step if abs(us) > 0.05)
-        (out / f"kernels_{m}.txt").write_text(f"{m} {arch} L={length} B={batch}: per decode step {total:.1f} us of "
-                                              f"kernels in {launches:.0f} launches\n{text}\n")
-        rows.append(dict(method=m, arch=arch, length=length, batch=batch, kernel_us_per_step=total,
+        what = "runtime calls" if runtime else "kernels"
+        (out / f"{'runtime' if runtime else 'kernels'}_{m}.txt").write_text(
+            f"{m} {arch} L={length} B={batch}: per decode step {total:.1f} us of {what} in {launches:.0f} calls\n{text}\n")
+        walls = {}
+        if runtime:  # the same step's wall without the profiler, with and without Python's cyclic garbage collector
+            import gc
+
+            for label in ("gc on", "gc off"):
+                (gc.enable if label == "gc on" else gc.disable)()
+                t = []
+                for n in (new_tokens + 1, 1):
+                    cache = reusable(m, model, batch, length + new_tokens + 8, cache)
+                    fill(cache, model, batch, length, device)
+                    t.append(generate_once(model, cache, batch, length, n, m in COMPILED, device))
+                walls[label] = 1000 * (t[0] - t[1]) / new_tokens
+            gc.enable()
+            log(f"runtime {m}: wall per step " + ", ".join(f"{k} {v:.2f} ms" for k, v in walls.items()))
+        rows.append(dict(method=m, arch=arch, length=length, batch=batch, kernel_us_per_step=total, wall_ms=walls,
                          launches_per_step=launches, top=[(n[:120], c, u) for n, c, u in per_step[:40]]))
-        log(f"kernels {m} L={length} B={batch}: {total:.1f} us in {launches:.0f} launches per step; top: " +
+        log(f"{'runtime' if runtime else 'kernels'} {m} L={length} B={batch}: {total:.1f} us in {launches:.0f} calls per step; top: " +
             "; ".join(f"{n[:60]} {u:.1f} us ({c:.0f}x)" for n, c, u in per_step[:12]))
         del cache
     return rows
@@ -545,10 +583,10 @@ def main(argv=None):
                                                      [m for m in methods if not only or m in only], args.new_tokens, out)
             elif name == "memory":
                 results["memory"] = section_memory(device, args.archs.split(",")[0])
-            elif name == "kernels":
-                results["kernels"] = section_kernels(device, args.archs.split(",")[0], points[0],
-                                                     [m for m in methods if not points[0][2] or m in points[0][2]],
-                                                     args.new_tokens, out)
+            elif name in ("kernels", "runtime"):
+                results[name] = section_kernels(device, args.archs.split(",")[0], points[0],
+                                                [m for m in methods if not points[0][2] or m in points[0][2]],
+                                                args.new_tokens, out, runtime=name == "runtime")
             elif name == "speed":
                 archs = args.archs.split(",")
                 before = list(results.get("speed", []))

@@ -30,7 +30,7 @@ from .attention import decode_attention_triton, segment_attention_triton
 from .quantize import quantize_pack_triton
 from .store import rotate_store_token_triton
 
-__all__ = ["decode_attention", "quantize_pack", "quantize_pack_at", "rotate_store_token", "segment_attention"]
+__all__ = ["EAGER", "decode_attention", "quantize_pack", "quantize_pack_at", "rotate_store_token", "segment_attention"]
 
 
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
@@ -116,3 +116,19 @@ def rotate_store_token(
 @rotate_store_token.register_fake
 def _(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position, sink_tokens, ring):
     return keys.new_empty((2, *keys.shape))
+
+
+# The same launchers without the dispatcher, same signatures, for calls outside a compiled region (`oscar_hf.ops`
+# picks): in an eager decode step on the H200 the custom-op wrappers (autograd and ADInplaceOrView redispatch,
+# version bumps, the aliasing check) cost more host time than the Triton launches they wrap (0.3-0.65 ms per call
+# under cProfile, eval/results/gpu/profile_oscar-*eager_before.txt); dynamo needs the ops and their fakes, eager
+# code does not.
+EAGER = {
+    "quantize_pack": lambda x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk: quantize_pack_triton(
+        x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk),
+    "quantize_pack_at": lambda x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=0: quantize_pack_triton(
+        x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring),
+    "segment_attention": segment_attention_triton,
+    "decode_attention": lambda *args: decode_attention_triton(*args[:15], value_rotation=args[15]),
+    "rotate_store_token": rotate_store_token_triton,
+}

@@ -27,6 +27,17 @@ def _load_kernels():
     return None
 
 
+def kernel_op(name: str):
+    """The Triton kernel `name`: the custom op `torch.ops.oscar.<name>` while dynamo traces (it needs the op and its
+    fake), the launcher itself otherwise (same signature, none of the dispatcher's per-call host work:
+    `kernels.custom_ops.EAGER`). `OSCAR_HF_CUSTOM_OPS=1` takes the custom op always."""
+    if torch.compiler.is_compiling() or os.environ.get("OSCAR_HF_CUSTOM_OPS") == "1":
+        return getattr(torch.ops.oscar, name)
+    from .kernels.custom_ops import EAGER
+
+    return EAGER[name]
+
+
 _WARNED: set[str] = set()
 
 
@@ -107,7 +118,7 @@ def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), ke
     """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
     e.g. once outside a compiled region; None: decide here)."""
     if use_kernels(x) if kernel is None else kernel:
-        torch.ops.oscar.quantize_pack(x, rotation, float(clip_ratio), codes, meta, int(start),
+        kernel_op("quantize_pack")(x, rotation, float(clip_ratio), codes, meta, int(start),
                                       [int(b) for b in key_blocks], int(key_chunk))
     else:
         quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)
@@ -148,7 +159,7 @@ def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk
                      kernel: bool | None = None) -> None:
     """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
     if use_kernels(x) if kernel is None else kernel:
-        torch.ops.oscar.quantize_pack_at(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
+        kernel_op("quantize_pack_at")(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
                                          int(key_chunk), int(ring))
     else:
         quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring)
@@ -227,7 +238,7 @@ def segment_attention(
     problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3],
                                        key_blocks)
     if use_kernels(q, problem):
-        return torch.ops.oscar.segment_attention(*args)
+        return kernel_op("segment_attention")(*args)
     return segment_attention_reference(*args)
 
 
@@ -302,7 +313,7 @@ def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v,
             int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk),
             value_rotation)
     if kernel:
-        return torch.ops.oscar.decode_attention(*args)
+        return kernel_op("decode_attention")(*args)
     return decode_attention_reference(*args)
 
 
@@ -343,5 +354,5 @@ def rotate_store_token(keys, values, key_rotation, value_rotation, sink_k, sink_
     args = (keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v, position, int(sink_tokens),
             int(ring))
     if kernel:
-        return torch.ops.oscar.rotate_store_token(*args)
+        return kernel_op("rotate_store_token")(*args)
     return rotate_store_token_reference(*args)

@@ -19,6 +19,8 @@ def rotate(states: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """`[B, H, n, d] @ [H, d, d]` per KV head: one batched GEMM over H. Unlike `torch.matmul`, which broadcasts the
     rotations over B (and a query's group axis) by materialising copies of them, this reads each R_h once (in a
     compiled decode step those copies were two extra kernels per layer, eval/KERNEL_NOTES.md)."""
+    if states.shape[0] == 1:  # the same bmm without einsum's per-call planning (eager decode: 4 calls per layer)
+        return torch.matmul(states[0], rotation).unsqueeze(0)
     return torch.einsum("bhnd,hde->bhne", states, rotation)
 
 

@@ -11,14 +11,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bench_generate_kernel_table(tmp_path):
     """The `kernels` section (per decode step: which kernels a compiled step launches, how long): on the CPU the
-    table lists CPU ops, so only its shape is checked here."""
+    table lists CPU ops, so only its shape is checked here. The `runtime` section (host side of an eager step): its
     out = tmp_path / "gpu"
-    subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections", "kernels",
-                    "--archs", "tiny", "--points", "300x1", "--new-tokens", "4", "--methods", "oscar-static-eager"],
+    table of runtime calls, on a dynamic cache too (a new one per call: a dynamic cache only grows)."""
+    out = tmp_path / "gpu"
+    methods = ["oscar-static-eager", "oscar-eager"]
+    subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections",
+                    "kernels,runtime", "--archs", "tiny", "--points", "300x1", "--new-tokens", "4", "--methods",
+                    ",".join(methods)],
                    check=True, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-    rows = json.loads((out / "bench_generate.json").read_text())["kernels"]
-    assert [r["method"] for r in rows] == ["oscar-static-eager"] and rows[0]["launches_per_step"] > 0
-    assert (out / "kernels_oscar-static-eager.txt").read_text().startswith("oscar-static-eager tiny L=300 B=1")
+    result = json.loads((out / "bench_generate.json").read_text())
+    for section in ("kernels", "runtime"):
+        rows = result[section]
+        assert [r["method"] for r in rows] == methods and all(r["launches_per_step"] > 0 for r in rows)
+        for m in methods:
+            assert (out / f"{section}_{m}.txt").read_text().startswith(f"{m} tiny L=300 B=1")
+    assert all(set(r["wall_ms"]) == {"gc on", "gc off"} for r in result["runtime"])
 
 
 def test_bench_generate_smoke_and_report(tmp_path):

@@ -606,3 +606,30 @@ def test_decode_kernel_un_rotates_its_output_in_the_merge():
     assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, (*args, rot),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_eager_calls_take_the_launchers_and_traced_calls_the_custom_ops(monkeypatch):
+    """`ops.kernel_op`: outside dynamo the launcher itself (no dispatcher host work), the custom op while tracing or
+    with OSCAR_HF_CUSTOM_OPS=1; every custom op has an eager stand-in that writes the same bytes."""
+    from oscar_hf import ops
+    from oscar_hf.kernels import custom_ops
+
+    names = [n for n in custom_ops.__all__ if n != "EAGER"]
+    assert sorted(custom_ops.EAGER) == sorted(names)
+    monkeypatch.delenv("OSCAR_HF_CUSTOM_OPS", raising=False)
+    assert all(ops.kernel_op(n) is custom_ops.EAGER[n] for n in names)
+    monkeypatch.setenv("OSCAR_HF_CUSTOM_OPS", "1")
+    assert all(ops.kernel_op(n) is getattr(torch.ops.oscar, n) for n in names)
+    monkeypatch.delenv("OSCAR_HF_CUSTOM_OPS")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert all(ops.kernel_op(n) is getattr(torch.ops.oscar, n) for n in names)
+    monkeypatch.undo()
+    x = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    written = []
+    for op in (custom_ops.EAGER["quantize_pack"], torch.ops.oscar.quantize_pack):
+        codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
+        meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)
+        op(x, None, 1.0, codes, meta, 32, [32, 16], 32)
+        written.append((codes, meta))
+    assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
+    assert written[0][0].any()
