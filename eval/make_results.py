@@ -21,7 +21,7 @@ MAIN = ["bf16", "oscar", "oscar-token", "oscar-ref", "naive-int2", "hadamard-int
 DOMAINS = {"": "essays (in-domain)", "_python": "Python code", "_shakespeare": "Shakespeare plays"}
 HEADLINE = ["bf16", "oscar", "oscar-token", "kivi2-g64", "kivi2"]  # the default against the paper layout and KIVI-2
 LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "oscar-ch-id", "oscar-ch-auto",
-          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar", "kivi2-g64", "kivi2"]
+          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar", "kivi2-g64", "kivi2"]
 
 
 def load(model: str, stage: str):
