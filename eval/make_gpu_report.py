@@ -242,6 +242,10 @@ def generate_section(gen: dict, path: str) -> list[str]:
                           + (f"key blocks {'/'.join(str(b) for b in c['key_blocks'])}, " if c.get("key_blocks") else "") +
                           f"d={c['head_dim']}, {c['length']:,} tokens, ring wrapped, left padding): max error "
                           f"{c['max_abs_err']:.1e} at output scale {c['ref_scale']:.2f} — {'ok' if c['ok'] else 'FAILED'}")
+            elif "generate_tokens_equal" in c:
+                md.append(f"- {c['check']} (`StaticOscarCache` without compile): greedy generate tokens "
+                          f"{'all equal' if c['generate_tokens_equal'] else 'differ'}, teacher-forced logits max "
+                          f"difference {c['teacher_forced_max_abs_logit_diff']:.1e} — {'ok' if c['ok'] else 'FAILED'}")
             else:
                 decisive = (f" ({c['teacher_forced_argmax_agreement_decisive']:.3f} at the {c['decisive_positions']} positions "
                             "whose top-2 margin exceeds 4× the RMS logit difference, the bound checked)"

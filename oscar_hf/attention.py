@@ -126,15 +126,20 @@ def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Ten
     `query` `[B, Hq, T, d]` -> `[B, T, Hq, d]`."""
     b, hq, t, d = query.shape
     heads = layer.key_rotation.shape[0]
-    q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation)
     s, r = layer.config.sink_tokens, layer.plan.ring
     keys, values = layer.history_keys, layer.history_values
-    out = ops.decode_attention(
-        q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
-        values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
-        key_padding_mask(attention_mask), layer.plan.lengths, t, scale, *keys.kernel_key_layout,
-        value_rotation=layer.value_rotation, kernel=layer.kernel,
-    )
+
+    def attend(query, mask=None):
+        q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation)
+        return ops.decode_attention(
+            q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
+            values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
+            mask, layer.plan.lengths, t, scale, *keys.kernel_key_layout,
+            value_rotation=layer.value_rotation, kernel=layer.kernel,
+        )
+
+    mask = key_padding_mask(attention_mask)
+    out = layer.decode_call("attend", attend, query, *(() if mask is None else (mask,)), static=(scale,))
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
 
 

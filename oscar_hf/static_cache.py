@@ -25,7 +25,8 @@ back up to b + 1 tokens exactly (assisted decoding).
 The lengths live on the device in one `DecodePlan` per cache, advanced once per forward pass by the first OSCAR
 layer (FlashInfer's plan once, run per layer); the attention reads them from there (`ops.decode_attention`).
 Multi-token chunks (prefill, a question after a stored document) run eagerly, with one host synchronisation, and
-attend like `OscarLayer`'s chunks do (`LayerView`).
+attend like `OscarLayer`'s chunks do (`LayerView`). Without `torch.compile`, a CUDA decode step replays each layer's
+store and attention as CUDA graphs captured on first use (`graphs.py`): an eager step is bound by its host work.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
-from . import ops
+from . import graphs, ops
 from .cache import VIEW_KWARG, LayerView, OscarCache, OscarLayer, _pending, check_finite, rotate
+from .graphs import DecodeGraphs
 
 try:  # transformers' own helper: not tracing (mark_static_address is not allowed while dynamo traces)
     from transformers.utils import is_torchdynamo_compiling
@@ -130,8 +132,9 @@ class StaticOscarLayer(OscarLayer):
 
     is_compileable = True
 
-    def __init__(self, *args, plan: DecodePlan, max_cache_len: int, **kwargs):
+    def __init__(self, *args, plan: DecodePlan, max_cache_len: int, graphs: DecodeGraphs | None = None, **kwargs):
         self.plan = plan
+        self.graphs = graphs if graphs is not None else DecodeGraphs()
         super().__init__(*args, max_cache_len=max_cache_len, **kwargs)
         if self.config.bits != 2:
             raise ValueError(f"StaticOscarCache stores 2-bit histories (the decode kernel's), not {self.config.bits}")
@@ -183,7 +186,7 @@ class StaticOscarLayer(OscarLayer):
         check_finite(key_states, value_states)
         n = key_states.shape[2]
         if n == 1:
-            self._store_token(key_states, value_states)
+            self.decode_call("store", self._store_token, key_states, value_states)
             view = DecodeView(self, 1, key_states.shape[0])
         else:
             view = self._store_chunk(key_states, value_states)
@@ -222,6 +225,17 @@ class StaticOscarLayer(OscarLayer):
         # the key block this token completes, quantized from the ring in place (history row j is at slot j mod R);
         # on the other 127 steps of 128 the write is skipped on the device
         self.history_keys.write_chunks_at(self.ring_keys, key_block, ring=r)
+
+    def decode_call(self, name: str, fn, *inputs: torch.Tensor, static: tuple = ()):
+        """`fn(*inputs)`, a single-token step's store or attention: in an eager CUDA call replayed as a CUDA graph
+        (`graphs.py`; it depends on `inputs`' layouts, the `static` arguments and this layer's buffer addresses),
+        else called. A tensor result is a copy (a graph's output buffer is overwritten by its next replay)."""
+        if not graphs.enabled(inputs[0], self.kernel):
+            return fn(*inputs)
+        key = (id(self), name, static, graphs.signature(*inputs),
+               graphs.addresses(*self._buffers(), *self._constants(), *self.plan._tensors()))
+        out = self.graphs.run(key, fn, *inputs)
+        return out.clone() if isinstance(out, torch.Tensor) else out
 
     def _store_chunk(self, keys: torch.Tensor, values: torch.Tensor, view: bool = True) -> LayerView | None:
         """Several tokens (eager; one host synchronisation per pass, in `DecodePlan.advance`). Returns the attention
@@ -327,6 +341,7 @@ class StaticOscarLayer(OscarLayer):
         self.ring_keys, self.ring_values = fn(self.ring_keys), fn(self.ring_values)
         self.history_keys.map_batch(fn)
         self.history_values.map_batch(fn)
+        self.graphs.clear()  # captured over the old buffers
         if not is_torchdynamo_compiling():
             for t in self._buffers():
                 torch._dynamo.mark_static_address(t)
@@ -379,10 +394,12 @@ class StaticOscarCache(OscarCache):
     def _make_layers(self, geometry, rotations, config, max_cache_len):
         c = config
         self.plan = DecodePlan(c.sink_tokens, c.window_tokens, c.demotion_block, max_cache_len)
+        self.graphs = DecodeGraphs()  # the eager decode's CUDA graphs, one memory pool for all layers
         layers = []
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
                 layers.append(StaticOscarLayer(*self._layer_arguments(i, rotations, config), plan=self.plan,
+                                               graphs=self.graphs,
                                                max_cache_len=max_cache_len,
                                                key_mean=self._local_heads(i, rotations.key_mean(i)),
                                                key_blocks=self._key_blocks(i, rotations, config)))

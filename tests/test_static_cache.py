@@ -240,3 +240,33 @@ def test_batch_selection_and_expansion_follow_the_dynamic_cache():
             ids = _ids(4, 1, 40 + s)
             a, b = model(ids, past_key_values=dyn).logits, model(ids, past_key_values=sta).logits
             assert b.shape[0] == 4 and (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
+
+
+def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatch):
+    """The capture itself needs CUDA (checked on the H200: bench_generate.py's `check`, graphs vs launches bit for
+    bit); here the keys: one store and one attention graph per layer, reused across steps (the lengths live on the
+    device), a new one when the buffers are replaced (batch selection) or the mask appears."""
+    from oscar_hf import graphs
+
+    model, _, sta = _pair()
+    keys = []
+
+    def run(self, key, fn, *inputs):
+        keys.append(key)
+        return fn(*inputs)
+
+    assert not graphs.enabled(torch.zeros(1), True)  # never on the CPU
+    monkeypatch.setattr(graphs, "enabled", lambda x, kernels: True)
+    monkeypatch.setattr(graphs.DecodeGraphs, "run", run)
+    layers = len(sta.geometry.oscar_layers)
+    with torch.no_grad():
+        model(_ids(3, 30, 5), past_key_values=sta)  # a chunk: no graphs
+        assert keys == []
+        for s in range(3):
+            model(_ids(3, 1, 50 + s), past_key_values=sta)
+        assert len(keys) == 3 * 2 * layers and len(set(keys)) == 2 * layers
+        sta.batch_select_indices(torch.tensor([2, 0]))
+        model(_ids(2, 1, 60), past_key_values=sta)
+        assert len(set(keys)) == 4 * layers
+        model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), past_key_values=sta)
+    assert len(set(keys)) == 5 * layers  # the attention with a padding mask is a graph of its own
