@@ -46,12 +46,14 @@ def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk) -> Non
     return None
 
 
-@torch.library.custom_op("oscar::quantize_pack_at", mutates_args=("codes", "meta"))
-def quantize_pack_at(
+def _quantize_pack_at(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
     key_blocks: list[int], key_chunk: int, ring: int = 0,
 ) -> None:
     quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring)
+
+
+quantize_pack_at = torch.library.custom_op("oscar::quantize_pack_at", _quantize_pack_at, mutates_args=("codes", "meta"))
 
 
 @quantize_pack_at.register_fake
@@ -82,8 +84,7 @@ def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, r
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("oscar::decode_attention", mutates_args=())
-def decode_attention(
+def _decode_attention(
     q: torch.Tensor,
     sink_k: torch.Tensor, sink_v: torch.Tensor,
     hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
@@ -95,6 +96,9 @@ def decode_attention(
     return decode_attention_triton(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k,
                                    ring_v, key_mask, lengths, queries_per_group, scale, key_blocks, key_chunk,
                                    value_rotation=value_rotation)
+
+
+decode_attention = torch.library.custom_op("oscar::decode_attention", _decode_attention, mutates_args=())
 
 
 @decode_attention.register_fake
@@ -124,11 +128,9 @@ def _(keys, values, key_rotation, value_rotation, sink_k, sink_v, ring_k, ring_v
 # under cProfile, eval/results/gpu/profile_oscar-*eager_before.txt); dynamo needs the ops and their fakes, eager
 # code does not.
 EAGER = {
-    "quantize_pack": lambda x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk: quantize_pack_triton(
-        x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk),
-    "quantize_pack_at": lambda x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=0: quantize_pack_triton(
-        x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring),
+    "quantize_pack": quantize_pack_triton,
+    "quantize_pack_at": _quantize_pack_at,
     "segment_attention": segment_attention_triton,
-    "decode_attention": lambda *args: decode_attention_triton(*args[:15], value_rotation=args[15]),
+    "decode_attention": _decode_attention,
     "rotate_store_token": rotate_store_token_triton,
 }
