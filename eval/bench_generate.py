@@ -198,6 +198,10 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
                 caches.pop(m)
                 free()
     row = dict(arch=arch, length=length, batch=batch, new_tokens=new_tokens, rounds=rounds, skipped=skipped)
+    for m, cache in caches.items():  # eager static caches: how their decode graphs were replayed (graphs.py)
+        if getattr(cache, "graphs", None) is not None and cache.graphs.stats:
+            row[f"{m}_graph_replays"] = dict(cache.graphs.stats)
+            log(f"{m} L={length} B={batch} decode graphs: {dict(cache.graphs.stats)}")
     step_bytes = {}
     for m in caches:
         if not times[m]["long"]:
@@ -318,7 +322,9 @@ def section_profile(device, arch, point, methods, new_tokens, out):
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
         stats.print_stats(30)
-        (out / f"profile_{m}.txt").write_text(f"{m} {arch} L={length} B={batch}: generate of {new_tokens + 1} tokens, "
+        stats.sort_stats("cumulative").print_stats(40)  # where a cost that grows with the context sits
+        name = f"profile_{m}.txt" if (length, batch) == (4096, 1) else f"profile_{m}_{length}x{batch}.txt"
+        (out / name).write_text(f"{m} {arch} L={length} B={batch}: generate of {new_tokens + 1} tokens, "
                                               f"{wall * 1000:.1f} ms under cProfile\n" + text.getvalue())
         top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
         per_step = [(f"{fn[0].split('/')[-1]}:{fn[1]}:{fn[2]}", 1000 * st[2] / new_tokens, st[1]) for fn, st in top]
@@ -509,10 +515,11 @@ def section_check(device):
     makers = {"dynamic": lambda: OscarCache(model, rot, OscarConfig(value_clip=0.92)),
               "static-eager": static,  # each layer's decode store and attention replayed as CUDA graphs (graphs.py)
               "static-eager-no-graphs": static, "static-compiled": static}
-    outs, steps = {}, {}
+    outs, steps, used = {}, {}, {}
     for name, make in makers.items():
         with torch.no_grad(), eager_graphs(name != "static-eager-no-graphs"):
-            outs[name] = model.generate(ids, past_key_values=make(), max_new_tokens=150, min_new_tokens=150,
+            used[name] = make()
+            outs[name] = model.generate(ids, past_key_values=used[name], max_new_tokens=150, min_new_tokens=150,
                                         do_sample=False, disable_compile=name != "static-compiled", pad_token_id=0)
     forced = outs["dynamic"][:, 700:]
     for name, make in makers.items():
@@ -529,10 +536,11 @@ def section_check(device):
     # (equality as a boolean: a float32 mean of 1,700 equal tokens is 0.99999994)
     same = bool((outs["static-eager"] == outs["static-eager-no-graphs"]).all())
     diff = (steps["static-eager"] - steps["static-eager-no-graphs"]).abs().max().item()
+    replays = dict(used["static-eager"].graphs.stats)  # direct: inputs read where they lie; copied: copied in first
     rows.append(dict(check="static-eager CUDA graphs vs launches", generate_tokens_equal=same,
-                     teacher_forced_max_abs_logit_diff=diff, ok=same and diff == 0.0))
+                     teacher_forced_max_abs_logit_diff=diff, graph_replays=replays, ok=same and diff == 0.0))
     log(f"check static-eager graphs vs launches: generate tokens all equal {same}, teacher-forced max logit diff "
-        f"{diff:.2e} {'ok' if same and diff == 0.0 else 'FAIL'}")
+        f"{diff:.2e}, replays {replays} {'ok' if same and diff == 0.0 else 'FAIL'}")
     for name in ("static-eager", "static-compiled"):
         same = (outs[name] == outs["dynamic"])[:, 700:]
         first = [int((~row).nonzero()[0]) if (~row).any() else row.numel() for row in same]

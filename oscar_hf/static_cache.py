@@ -86,12 +86,22 @@ class DecodePlan:
             for t in self._tensors():
                 torch._dynamo.mark_static_address(t)
 
-    def advance(self, tokens: int) -> None:
-        """A forward pass of `tokens` tokens begins (in place: a captured graph replays it)."""
+    def advance(self, tokens: int, replay=None) -> None:
+        """A forward pass of `tokens` tokens begins (in place: a captured graph replays it). `replay(fn)`, if
+        given, runs a single-token pass's device part (`graphs.DecodeGraphs.run` in an eager step)."""
         self.host_start = int(self.length) if tokens > 1 else None  # the chunk path needs it on the host anyway
         if self.host_start is not None and self.host_start + tokens > self.max_cache_len:
             raise ValueError(f"StaticOscarCache holds {self.max_cache_len} tokens (max_cache_len); this pass would "
                              f"store {self.host_start + tokens}")
+        if tokens == 1 and replay is not None:
+            replay(self._advance_one)
+        else:
+            self._advance_on_device(tokens)
+
+    def _advance_one(self) -> None:
+        self._advance_on_device(1)
+
+    def _advance_on_device(self, tokens: int) -> None:
         self.start.copy_(self.length)
         self.length.add_(tokens)
         # a device-side check (capturable, no synchronisation): writing past the buffers must fail loudly
@@ -135,6 +145,7 @@ class StaticOscarLayer(OscarLayer):
     def __init__(self, *args, plan: DecodePlan, max_cache_len: int, graphs: DecodeGraphs | None = None, **kwargs):
         self.plan = plan
         self.graphs = graphs if graphs is not None else DecodeGraphs()
+        self._graph_buffers = None  # what this layer's graphs captured: its buffers' addresses (decode_call)
         super().__init__(*args, max_cache_len=max_cache_len, **kwargs)
         if self.config.bits != 2:
             raise ValueError(f"StaticOscarCache stores 2-bit histories (the decode kernel's), not {self.config.bits}")
@@ -163,6 +174,7 @@ class StaticOscarLayer(OscarLayer):
             history.allocate_static(key_states, capacity)
             history.kernel = kernel
         self.kernel = kernel
+        self._graph_buffers = None
         if not is_torchdynamo_compiling():
             for t in self._buffers() + self._constants():
                 torch._dynamo.mark_static_address(t)
@@ -171,7 +183,8 @@ class StaticOscarLayer(OscarLayer):
     def update(self, key_states, value_states, *args, fused: bool = False, layer_idx: int | None = None,
                attention_kwargs: dict | None = None, **kwargs):
         """Stores `[B, H, n, d]` states and hands the attention its view (see `OscarLayer.update`); the plan has
-        already advanced by n (`StaticOscarCache.update`)."""
+        already advanced by n (`StaticOscarCache.update`). A single token's keys are returned as given, not
+        centered (the "oscar" attention, the only one this cache supports, reads the stored states)."""
         if not fused:
             raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\" (model.set_attn_implementation("
                              "\"oscar\")): its buffers are read by the OSCAR decode kernel only")
@@ -181,14 +194,14 @@ class StaticOscarLayer(OscarLayer):
             self._view = None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.key_mean is not None:
-            key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
         check_finite(key_states, value_states)
-        n = key_states.shape[2]
-        if n == 1:
+        if key_states.shape[2] == 1:
+            # centered inside the store (one graph); the keys returned stay as given: the attention reads the cache
             self.decode_call("store", self._store_token, key_states, value_states)
             view = DecodeView(self, 1, key_states.shape[0])
         else:
+            if self.key_mean is not None:
+                key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
             view = self._store_chunk(key_states, value_states)
         self._view = view
         if attention_kwargs is not None:
@@ -212,6 +225,8 @@ class StaticOscarLayer(OscarLayer):
     def _store_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token, on the device only: fixed shapes, no branch, no synchronisation."""
         plan, r = self.plan, self.plan.ring
+        if self.key_mean is not None:
+            keys = (keys.float() - self.key_mean).to(keys.dtype)
         # rotated into its sink or ring slot in one launch (oscar::rotate_store_token)
         rk, rv = ops.rotate_store_token(keys, values, self.key_rotation, self.value_rotation, self.sink_keys,
                                         self.sink_values, self.ring_keys, self.ring_values, plan.start,
@@ -229,13 +244,14 @@ class StaticOscarLayer(OscarLayer):
     def decode_call(self, name: str, fn, *inputs: torch.Tensor, static: tuple = ()):
         """`fn(*inputs)`, a single-token step's store or attention: in an eager CUDA call replayed as a CUDA graph
         (`graphs.py`; it depends on `inputs`' layouts, the `static` arguments and this layer's buffer addresses),
-        else called. A tensor result is a copy (a graph's output buffer is overwritten by its next replay)."""
+        else called. A tensor result from a graph is the graph's output buffer, valid until this layer's next
+        decode step replays it (the attention's caller, the model's o_proj, consumes it at once)."""
         if not graphs.enabled(inputs[0], self.kernel):
             return fn(*inputs)
-        key = (id(self), name, static, graphs.signature(*inputs),
-               graphs.addresses(*self._buffers(), *self._constants(), *self.plan._tensors()))
-        out = self.graphs.run(key, fn, *inputs)
-        return out.clone() if isinstance(out, torch.Tensor) else out
+        if self._graph_buffers is None:  # reset wherever the buffers are replaced (initialization, batch changes)
+            self._graph_buffers = (id(self), graphs.addresses(*self._buffers(), *self._constants(),
+                                                              *self.plan._tensors()))
+        return self.graphs.run((self._graph_buffers, name, static, graphs.signature(*inputs)), fn, *inputs)
 
     def _store_chunk(self, keys: torch.Tensor, values: torch.Tensor, view: bool = True) -> LayerView | None:
         """Several tokens (eager; one host synchronisation per pass, in `DecodePlan.advance`). Returns the attention
@@ -342,6 +358,7 @@ class StaticOscarLayer(OscarLayer):
         self.history_keys.map_batch(fn)
         self.history_values.map_batch(fn)
         self.graphs.clear()  # captured over the old buffers
+        self._graph_buffers = None
         if not is_torchdynamo_compiling():
             for t in self._buffers():
                 torch._dynamo.mark_static_address(t)
@@ -410,7 +427,11 @@ class StaticOscarCache(OscarCache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == self.first_oscar_layer:
-            self.plan.advance(key_states.shape[2])
+            layer = self.layers[layer_idx]
+            replay = None
+            if layer.is_initialized and graphs.enabled(key_states, layer.kernel):  # an eager CUDA step: one graph
+                replay = lambda fn: self.graphs.run(("plan", graphs.addresses(*self.plan._tensors())), fn)  # noqa: E731
+            self.plan.advance(key_states.shape[2], replay)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0):

@@ -245,7 +245,8 @@ def test_batch_selection_and_expansion_follow_the_dynamic_cache():
 def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatch):
     """The capture itself needs CUDA (checked on the H200: bench_generate.py's `check`, graphs vs launches bit for
     bit); here the keys: one store and one attention graph per layer, reused across steps (the lengths live on the
-    device), a new one when the buffers are replaced (batch selection) or the mask appears."""
+    device), one for the step's plan, a new one when the buffers are replaced (batch selection) or the mask
+    appears."""
     from oscar_hf import graphs
 
     model, _, sta = _pair()
@@ -264,9 +265,42 @@ def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatc
         assert keys == []
         for s in range(3):
             model(_ids(3, 1, 50 + s), past_key_values=sta)
-        assert len(keys) == 3 * 2 * layers and len(set(keys)) == 2 * layers
+        assert len(keys) == 3 * (2 * layers + 1) and len(set(keys)) == 2 * layers + 1
         sta.batch_select_indices(torch.tensor([2, 0]))
         model(_ids(2, 1, 60), past_key_values=sta)
-        assert len(set(keys)) == 4 * layers
+        assert len(set(keys)) == 4 * layers + 1  # the plan's tensors stay
         model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), past_key_values=sta)
-    assert len(set(keys)) == 5 * layers  # the attention with a padding mask is a graph of its own
+    assert len(set(keys)) == 5 * layers + 1  # the attention with a padding mask is a graph of its own
+
+
+def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(monkeypatch):
+    """The policy of `DecodeGraphs.run` (the capture needs CUDA; its results are checked on the H200): inputs at a
+    captured graph's addresses replay it as it is; up to DIRECT address sets are captured per key; any other call
+    copies its inputs into one shared copied graph; a new key starts afresh."""
+    from oscar_hf import graphs
+
+    made = []
+
+    class FakeCall:
+        def __init__(self, fn, inputs, pool, copied):
+            self.copied, self.where = copied, graphs.addresses(*inputs)
+            made.append(self)
+
+        def __call__(self, *inputs):
+            if not self.copied:  # a direct graph must only ever see the inputs it captured
+                assert graphs.addresses(*inputs) == self.where
+            return self
+
+    monkeypatch.setattr(graphs, "GraphedCall", FakeCall)
+    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: "pool")
+    g = graphs.DecodeGraphs()
+    xs = [torch.zeros(4) for _ in range(graphs.DIRECT + 2)]
+    first = g.run("k", None, xs[0])
+    assert g.run("k", None, xs[0]) is first and not first.copied
+    direct = [g.run("k", None, x) for x in xs[1 : graphs.DIRECT]]
+    assert all(not c.copied for c in direct) and len(made) == graphs.DIRECT
+    copied = g.run("k", None, xs[graphs.DIRECT])
+    assert copied.copied and g.run("k", None, xs[graphs.DIRECT + 1]) is copied
+    assert g.run("k", None, xs[0]) is first  # a captured address set still replays directly
+    assert g.run("other", None, xs[graphs.DIRECT]) is not copied and not made[-1].copied
+    assert g.stats == {"captures": graphs.DIRECT + 2, "direct": graphs.DIRECT + 3, "copied": 2}
