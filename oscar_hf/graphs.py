@@ -2,8 +2,8 @@
 
 Without `torch.compile` a decode step is bound by host work (eval/KERNEL_NOTES.md): each OSCAR layer makes several
 Triton launches from Python, and Triton binds and specializes every argument of every launch. A `StaticOscarLayer`'s
-single-token store and attention, and the cache's per-step plan, read fixed buffers and device-side lengths only, so
-each can be captured once as a CUDA graph and replayed.
+single-token store and attention read fixed buffers and device-side lengths only, so each can be captured once as a
+CUDA graph and replayed.
 
 A graph is keyed by what it captured: the inputs' shapes, dtypes and strides, the non-tensor arguments, and the
 addresses of the buffers it reads and writes (a layer whose buffers were replaced, e.g. by a batch change, captures

@@ -86,22 +86,13 @@ class DecodePlan:
             for t in self._tensors():
                 torch._dynamo.mark_static_address(t)
 
-    def advance(self, tokens: int, replay=None) -> None:
-        """A forward pass of `tokens` tokens begins (in place: a captured graph replays it). `replay(fn)`, if
-        given, runs a single-token pass's device part (`graphs.DecodeGraphs.run` in an eager step)."""
+    def advance(self, tokens: int) -> None:
+        """A forward pass of `tokens` tokens begins (in place: a captured graph replays it). Not graphed in an
+        eager step: it is not idempotent (`graphs.GraphedCall` runs its function once more as the warm-up)."""
         self.host_start = int(self.length) if tokens > 1 else None  # the chunk path needs it on the host anyway
         if self.host_start is not None and self.host_start + tokens > self.max_cache_len:
             raise ValueError(f"StaticOscarCache holds {self.max_cache_len} tokens (max_cache_len); this pass would "
                              f"store {self.host_start + tokens}")
-        if tokens == 1 and replay is not None:
-            replay(self._advance_one)
-        else:
-            self._advance_on_device(tokens)
-
-    def _advance_one(self) -> None:
-        self._advance_on_device(1)
-
-    def _advance_on_device(self, tokens: int) -> None:
         self.start.copy_(self.length)
         self.length.add_(tokens)
         # a device-side check (capturable, no synchronisation): writing past the buffers must fail loudly
@@ -427,11 +418,7 @@ class StaticOscarCache(OscarCache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == self.first_oscar_layer:
-            layer = self.layers[layer_idx]
-            replay = None
-            if layer.is_initialized and graphs.enabled(key_states, layer.kernel):  # an eager CUDA step: one graph
-                replay = lambda fn: self.graphs.run(("plan", graphs.addresses(*self.plan._tensors())), fn)  # noqa: E731
-            self.plan.advance(key_states.shape[2], replay)
+            self.plan.advance(key_states.shape[2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0):

@@ -245,8 +245,7 @@ def test_batch_selection_and_expansion_follow_the_dynamic_cache():
 def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatch):
     """The capture itself needs CUDA (checked on the H200: bench_generate.py's `check`, graphs vs launches bit for
     bit); here the keys: one store and one attention graph per layer, reused across steps (the lengths live on the
-    device), one for the step's plan, a new one when the buffers are replaced (batch selection) or the mask
-    appears."""
+    device), a new one when the buffers are replaced (batch selection) or the mask appears."""
     from oscar_hf import graphs
 
     model, _, sta = _pair()
@@ -265,12 +264,12 @@ def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatc
         assert keys == []
         for s in range(3):
             model(_ids(3, 1, 50 + s), past_key_values=sta)
-        assert len(keys) == 3 * (2 * layers + 1) and len(set(keys)) == 2 * layers + 1
+        assert len(keys) == 3 * 2 * layers and len(set(keys)) == 2 * layers
         sta.batch_select_indices(torch.tensor([2, 0]))
         model(_ids(2, 1, 60), past_key_values=sta)
-        assert len(set(keys)) == 4 * layers + 1  # the plan's tensors stay
+        assert len(set(keys)) == 4 * layers
         model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), past_key_values=sta)
-    assert len(set(keys)) == 5 * layers + 1  # the attention with a padding mask is a graph of its own
+    assert len(set(keys)) == 5 * layers  # the attention with a padding mask is a graph of its own
 
 
 def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(monkeypatch):
