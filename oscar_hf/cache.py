@@ -282,13 +282,18 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         (filling a cache from another cache's prefill): nothing is dequantized or handed over."""
         self._store(key_states, value_states)
 
+    def centered(self, keys: torch.Tensor) -> torch.Tensor:
+        """`keys` `[B, H, n, d]` minus the layer's key mean (as given without one): subtracted in float32, then back
+        to the model dtype (one rounding of the centered key)."""
+        if self.key_mean is None:
+            return keys
+        return (keys.float() - self.key_mean).to(keys.dtype)
+
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Centers, checks and appends new states; returns the (centered) keys and the length before them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.key_mean is not None:
-            # Subtract in float32, then back to the model dtype (one rounding of the centered key).
-            key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
+        key_states = self.centered(key_states)
         check_finite(key_states, value_states)
         if self.record_past:
             if self._uncropped:

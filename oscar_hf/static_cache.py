@@ -191,8 +191,7 @@ class StaticOscarLayer(OscarLayer):
             self.decode_call("store", self._store_token, key_states, value_states)
             view = DecodeView(self, 1, key_states.shape[0])
         else:
-            if self.key_mean is not None:
-                key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
+            key_states = self.centered(key_states)
             view = self._store_chunk(key_states, value_states)
         self._view = view
         if attention_kwargs is not None:
@@ -208,16 +207,14 @@ class StaticOscarLayer(OscarLayer):
             self.lazy_initialization(key_states, value_states)
         if self.plan.host_start is None:
             raise RuntimeError("StaticOscarLayer.store: advance the cache's plan by the chunk first (plan.advance(n), n > 1)")
-        if self.key_mean is not None:
-            key_states = (key_states.float() - self.key_mean).to(key_states.dtype)
+        key_states = self.centered(key_states)
         check_finite(key_states, value_states)
         self._store_chunk(key_states, value_states, view=False)
 
     def _store_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One token, on the device only: fixed shapes, no branch, no synchronisation."""
         plan, r = self.plan, self.plan.ring
-        if self.key_mean is not None:
-            keys = (keys.float() - self.key_mean).to(keys.dtype)
+        keys = self.centered(keys)
         # rotated into its sink or ring slot in one launch (oscar::rotate_store_token)
         rk, rv = ops.rotate_store_token(keys, values, self.key_rotation, self.value_rotation, self.sink_keys,
                                         self.sink_values, self.ring_keys, self.ring_values, plan.start,
