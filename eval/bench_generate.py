@@ -45,14 +45,25 @@ DEADLINE = float("inf")
 KEY_BLOCKS = ",".join(str(b) for b in MIXED_KEY_BLOCKS)
 
 
+WIDE_HEADS = True  # --no-wide-heads: every head at 2 bits (the format before wide heads)
+
+
 def oscar_rotations(model):
+    """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS) and as many wide heads as
+    calibration's budget gives this geometry (`calibrate.allocate_wide_heads`; which heads are wide comes from seeded
+    random retrieval scores, random weights having no retrieval heads)."""
     from oscar_hf import OscarRotations
+    from oscar_hf.calibrate import allocate_wide_heads
 
     rot = OscarRotations.data_free(model, "hadamard")
+    heads = model.config.num_key_value_heads
     if KEY_BLOCKS != "uniform":
         pattern = [int(b) for b in KEY_BLOCKS.split(",")]
-        heads = model.config.num_key_value_heads
         rot.key_blocks = {layer: tuple(pattern[h % len(pattern)] for h in range(heads)) for layer in rot.layers}
+    if WIDE_HEADS:
+        g = torch.Generator().manual_seed(0)
+        scores = {layer: torch.rand(heads, generator=g) for layer in rot.layers}
+        rot.head_bits = allocate_wide_heads(scores, oscar_config(), model.config.head_dim, rot.key_blocks)
     return rot
 
 
@@ -490,7 +501,7 @@ def section_check(device):
         hk, hv = layer.history_keys.buffers, layer.history_values.buffers
         args = (q, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
                 layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5,
-                *layer.history_keys.kernel_key_layout)
+                *layer.history_keys.kernel_key_layout, layer.history_keys.wide)
         got = ops.decode_attention(*args, kernel=True).float()
         ref = ops.decode_attention_reference(*args).float()
         err = (got - ref).abs().max().item()
@@ -498,7 +509,8 @@ def section_check(device):
         ok = err <= 2e-2 * max(scale, 1.0)
         blocks = list(layer.history_keys.layout.blocks)
         rows.append(dict(check="decode_attention kernel vs twin", heads=heads, groups=groups, head_dim=d, length=length + 37,
-                         key_blocks=blocks, max_abs_err=err, ref_scale=scale, ok=ok))
+                         key_blocks=blocks, wide_rows=list(layer.history_keys.wide), max_abs_err=err, ref_scale=scale,
+                         ok=ok))
         log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37} key blocks {blocks}: err {err:.2e} "
             f"(scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
     # 2. the same model through OscarCache, StaticOscarCache eager and StaticOscarCache compiled (a CUDA graph):
@@ -580,9 +592,12 @@ def main(argv=None):
     parser.add_argument("--key-blocks", default=None,
                         help="per-KV-head key blocks of every layer, cycled over the heads, or 'uniform' (64); default: "
                              "bench_gpu's mixed blocks")
+    parser.add_argument("--no-wide-heads", action="store_true",
+                        help="every head at 2 bits (default: the wide heads calibration's budget gives the geometry)")
     args = parser.parse_args(argv)
-    global DEADLINE, KEY_BLOCKS
+    global DEADLINE, KEY_BLOCKS, WIDE_HEADS
     KEY_BLOCKS = args.key_blocks or KEY_BLOCKS
+    WIDE_HEADS = not args.no_wide_heads
     for name in ("recompile_limit", "cache_size_limit"):  # one compile per (method, shape): more than dynamo's default 8
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
@@ -598,6 +613,7 @@ def main(argv=None):
     results = json.loads(path.read_text()) if path.exists() else {}
     results["environment"] = environment(device)
     results["key_blocks"] = KEY_BLOCKS
+    results["wide_heads"] = WIDE_HEADS
     results.setdefault("copy_bandwidth", copy_bandwidth(device))
     points = []
     for p in args.points.split(","):

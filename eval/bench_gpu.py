@@ -47,21 +47,32 @@ SINK, WINDOW = 64, 256
 # (`kernels/attention.py:key_tile`).
 KEY_CHUNK = 128
 KEY_BLOCK = 64
+WIDE_HEADS = (1, 6)  # the "wide" layout's 4-bit heads (2 of 8: more than calibration gives a head_dim-128 model)
 MIXED_KEY_BLOCKS = (32, 128, 64, 128, 32, 128, 64, 128)
 
 
 def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...], int]:
     """(per-head key blocks, key chunk) of a named layout: "default" (KEY_BLOCK for every head in chunks of
-    KEY_CHUNK), "mixed" (MIXED_KEY_BLOCKS, cycled), "block128" (one block per chunk) or "token" (token-wise keys)."""
+    KEY_CHUNK), "mixed" (MIXED_KEY_BLOCKS, cycled), "wide" (the mixed blocks with WIDE_HEADS at 4 bits: `wide_layout`),
+    "block128" (one block per chunk) or "token" (token-wise keys)."""
     if layout == "token":
         return (), 0
-    if layout == "mixed":
+    if layout in ("mixed", "wide"):
         return tuple(MIXED_KEY_BLOCKS[i % len(MIXED_KEY_BLOCKS)] for i in range(kv_heads)), KEY_CHUNK
     if layout == "block128":
         return (128,) * kv_heads, KEY_CHUNK
     if layout != "default":
         raise ValueError(f"unknown key layout {layout!r}")
     return (KEY_BLOCK,) * kv_heads, KEY_CHUNK
+
+
+def wide_layout(kv_heads: int, layout: str) -> tuple[int, ...]:
+    """`quant.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", none elsewhere."""
+    from oscar_hf.quant import WIDE_BITS, wide_rows
+
+    if layout != "wide":
+        return ()
+    return wide_rows([WIDE_BITS if h in WIDE_HEADS else 2 for h in range(kv_heads)])
 
 
 def key_meta_rows(key_blocks, key_chunk: int) -> int:
@@ -126,6 +137,8 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
     channel-wise, per-head blocks in chunks of KEY_CHUNK, meta `[B, n_chunks, R, d, 2]`; "token": token-wise keys);
     returns the op's argument tuple."""
     key_blocks, key_chunk = key_layout(kv_heads, layout)
+    wide = wide_layout(kv_heads, layout)
+    rows = kv_heads + sum(r >= 0 for r in wide)  # the codes' head rows: wide heads' low planes after the KV heads
     n_sink = min(sink, length)
     unit = key_chunk or 8
     n_hist = max(length - n_sink - window, 0) // unit * unit
@@ -135,8 +148,8 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
     sink_k, sink_v = torch.randn(batch, kv_heads, sink, d, **bf), torch.randn(batch, kv_heads, sink, d, **bf)
     rec_k = torch.randn(batch, kv_heads, window + unit, d, **bf)
     rec_v = torch.randn(batch, kv_heads, window + unit, d, **bf)
-    codes_k = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
-    codes_v = torch.randint(0, 256, (batch, kv_heads, n_hist, d // 4), device=device, dtype=torch.uint8)
+    codes_k = torch.randint(0, 256, (batch, rows, n_hist, d // 4), device=device, dtype=torch.uint8)
+    codes_v = torch.randint(0, 256, (batch, rows, n_hist, d // 4), device=device, dtype=torch.uint8)
 
     def meta(*shape):
         m = torch.empty(*shape, 2, device=device, dtype=torch.float16)
@@ -150,7 +163,7 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
         meta_k = meta(batch, kv_heads, n_hist, meta_groups)
     empty = q.new_empty(batch, kv_heads, 0, d)
     return (q, sink_k, sink_v, codes_k, meta_k, codes_v, meta(batch, kv_heads, n_hist, meta_groups), rec_k, rec_v, empty,
-            empty, None, n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, list(key_blocks), key_chunk)
+            empty, None, n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, list(key_blocks), key_chunk, list(wide))
 
 
 def bytes_read(args) -> int:
@@ -158,7 +171,7 @@ def bytes_read(args) -> int:
     q, sk, sv, ck, mk, cv, mv, rk, rv, ek, ev, mask, ns, nh, nr, ne = args[:16]
     key_blocks, key_chunk = (args[19], args[20]) if len(args) > 20 else ((), 0)
     b, h, _, d = q.shape
-    codes = 2 * nh * ck.shape[-1]
+    codes = 2 * nh * ck.shape[-1] * ck.shape[1] // h  # wide heads' low planes included
     if key_chunk:  # per chunk, R rows (all heads) of d (scale, minimum) pairs
         meta_k = -(-nh // key_chunk) * key_meta_rows(key_blocks, key_chunk) * d * 2 * mk.element_size()
     else:
@@ -179,9 +192,12 @@ def section_check(device, quick):
         (2, 1, 4, 8192, 256, 1, 1, "default"), (1, 8, 4, 32768, 128, 16, 2, "default"),
         (1, 8, 4, 131072, 128, 1, 1, "mixed"), (8, 8, 4, 32768, 128, 1, 1, "mixed"), (4, 8, 4, 16384, 128, 16, 1, "mixed"),
         (2, 8, 4, 8192, 128, 1, 4, "block128"), (1, 8, 4, 32768, 128, 1, 1, "token"), (2, 8, 4, 8192, 128, 1, 4, "token"),
+        (1, 8, 4, 131072, 128, 1, 1, "wide"), (8, 8, 4, 32768, 128, 1, 1, "wide"), (4, 8, 4, 16384, 128, 16, 1, "wide"),
+        (4, 2, 7, 16384, 64, 1, 1, "wide"), (2, 2, 4, 8192, 256, 1, 1, "wide"),
     ]
     if quick:
-        shapes = [(1, 2, 4, 1500, 64, 1, 1, "default"), (1, 4, 4, 1500, 64, 1, 1, "mixed"), (2, 2, 2, 700, 128, 3, 2, "token")]
+        shapes = [(1, 2, 4, 1500, 64, 1, 1, "default"), (1, 4, 4, 1500, 64, 1, 1, "mixed"), (2, 2, 2, 700, 128, 3, 2, "token"),
+                  (1, 4, 4, 1500, 64, 1, 1, "wide")]
     rows = []
     for (b, h, g, length, d, t, mg, kb) in shapes:
         torch.manual_seed(length + b)
@@ -206,20 +222,24 @@ def section_check(device, quick):
         free()
     cases = [(4, 8, 16384, 128, True, "token"), (32, 8, 8, 128, False, "token"), (2, 2, 4096, 64, True, "token"),
              (4, 8, 16384, 128, True, "default"), (32, 8, 128, 128, False, "default"), (2, 1, 4096, 256, True, "default"),
-             (4, 8, 16384, 128, True, "mixed"), (32, 8, 128, 128, False, "mixed"), (2, 2, 4096, 64, False, "block128")]
+             (4, 8, 16384, 128, True, "mixed"), (32, 8, 128, 128, False, "mixed"), (2, 2, 4096, 64, False, "block128"),
+             (4, 8, 16384, 128, True, "wide"), (32, 8, 128, 128, False, "wide"), (2, 2, 4096, 64, True, "wide")]
     for (b, h, n, d, rotate, layout) in (cases if not quick else [(2, 2, 320, 64, True, "token"),
                                                                     (2, 2, 256, 64, True, "default"),
-                                                                    (2, 4, 256, 64, True, "mixed")]):
+                                                                    (2, 4, 256, 64, True, "mixed"),
+                                                                    (2, 4, 256, 64, True, "wide")]):
         key_blocks, chunk = key_layout(h, layout)
+        wide = list(wide_layout(h, layout))
+        rows_k = h + sum(r >= 0 for r in wide)
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
         start = chunk or 3
         outs = []
         for fn in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
-            codes = torch.full((b, h, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
+            codes = torch.full((b, rows_k, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
             meta_shape = (b, (n + start) // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, n + start, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
-            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk)
+            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk, wide)
             outs.append((codes, meta))
         from oscar_hf.quant import unpack_2bit_u8
 
@@ -247,7 +267,7 @@ def section_check(device, quick):
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
             if fn == "kernel":
                 torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.96, codes, meta,
-                                                 torch.tensor([start], device=device), list(key_blocks), chunk)
+                                                 torch.tensor([start], device=device), list(key_blocks), chunk, 0, [])
             elif start >= 0:
                 quantize_pack_reference(x, None, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk)
             sync()
@@ -297,15 +317,17 @@ def check_static_decode(device, quick):
         log(f"check rotate_store_token B={b} H={h} d={d} position {position}: rel err {err:.1e}, slots {slots_err:.1e} "
             f"{'ok' if passed else 'FAIL'}")
         free()
-    shapes = ((1, 8, 4, 32768, 128, "mixed"), (8, 8, 4, 4096, 128, "default"), (2, 1, 4, 8192, 256, "default"))
-    for (b, h, g, length, d, layout) in (shapes if not quick else ((1, 4, 4, 1500, 64, "mixed"),)):
+    shapes = ((1, 8, 4, 32768, 128, "mixed"), (8, 8, 4, 4096, 128, "default"), (2, 1, 4, 8192, 256, "default"),
+              (1, 8, 4, 32768, 128, "wide"))
+    for (b, h, g, length, d, layout) in (shapes if not quick else ((1, 4, 4, 1500, 64, "mixed"), (1, 4, 4, 1500, 64, "wide"))):
         torch.manual_seed(length + b)
         args = random_segments(b, h, g, length, d, device=device, layout=layout)
         q, sk, sv, ck, mk, cv, mv, rec_k, rec_v = args[:9]
-        n_sink, n_hist, n_recent, t, q_start, scale, blocks, chunk = *args[12:15], args[16], args[17], *args[18:21]
+        n_sink, n_hist, n_recent, t, q_start, scale, blocks, chunk, wide = (*args[12:15], args[16], args[17],
+                                                                             *args[18:22])
         lengths = torch.tensor([n_sink, n_hist, n_recent, 0, q_start], device=device, dtype=torch.int32)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
-        dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, rot)
+        dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, wide, rot)
         ref = decode_attention_reference(*dargs).float()
         lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
                                             else a for a in dargs)).float()
@@ -338,9 +360,12 @@ def section_model_check(device, quick):
     heads = model.config.num_key_value_heads
     mixed.key_blocks = {layer: tuple(MIXED_KEY_BLOCKS[h % len(MIXED_KEY_BLOCKS)] for h in range(heads))
                         for layer in mixed.layers}
+    wide = OscarRotations.data_free(model, "hadamard")  # the per-head blocks and WIDE_HEADS at 4 bits
+    wide.key_blocks = dict(mixed.key_blocks)
+    wide.head_bits = {layer: tuple(4 if h in WIDE_HEADS else 2 for h in range(heads)) for layer in wide.layers}
     rows = []
-    for layout in ("channel", "channel (per-head blocks)", "token"):
-        rot = mixed if "per-head" in layout else uniform
+    for layout in ("channel", "channel (per-head blocks)", "channel (per-head blocks, wide heads)", "token"):
+        rot = wide if "wide" in layout else mixed if "per-head" in layout else uniform
         config = OscarConfig(value_clip=0.92) if layout != "token" else OscarConfig(
             key_granularity="token", demotion_block=8, key_clip=0.96, value_clip=0.92)
         logits = {}
@@ -481,7 +506,8 @@ def section_micro(device, quick, tuned, copy_bw):
     # the default key layout at every length, per-head (mixed) blocks at two: their smallest block sets the tile
     mixed_lengths = [32768, 131072] if not quick else lengths
     for b in batches:
-        for length, layout in [(n, "default") for n in lengths] + [(n, "mixed") for n in mixed_lengths]:
+        for length, layout in ([(n, "default") for n in lengths] + [(n, "mixed") for n in mixed_lengths]
+                               + [(n, "wide") for n in mixed_lengths]):
             row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
                 "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
                 "ptx_unpack")})
@@ -553,8 +579,8 @@ def section_quant(device, quick):
             codes = torch.empty(b, h, 4 * blk, d // 4, device=device, dtype=torch.uint8)
             meta_k = torch.empty(b, 4, key_meta_rows(key_blocks, blk), d, 2, device=device, dtype=torch.float16)
             meta_v = torch.empty(b, h, 4 * blk, 1, 2, device=device, dtype=torch.float16)
-            us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, key_blocks, blk),
-                                      torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, [], 0)))
+            us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, key_blocks, blk, []),
+                                      torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, [], 0, [])))
             rows.append(dict(kind="demotion", key_layout=layout, batch=b, tokens=blk, us_per_layer_per_demotion=us,
                              us_per_layer_per_step=us / blk))
             log(f"quant demotion B={b} keys {layout}: {us:.1f} us per layer per demotion of {blk} tokens "
@@ -571,9 +597,9 @@ def section_quant(device, quick):
     meta_k = torch.empty(1, n // chunk, key_meta_rows(key_blocks, chunk), 128, 2, device=device, dtype=torch.float16)
     for kind, fn, meta_bytes in (
             ("prefill values (token-wise: rotate+clip+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, [], 0), meta.numel() * 2),
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, [], 0, []), meta.numel() * 2),
             ("prefill keys (channel-wise: rotate+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, key_blocks, chunk),
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, key_blocks, chunk, []),
              meta_k.numel() * 2)):
         us = bench_graph(fn)
         moved = x.numel() * 2 + codes.numel() + meta_bytes

@@ -5,6 +5,7 @@ shared memory from ptxas: catches compile errors and spills before spending devi
     python eval/compile_kernels.py --sass   # the decode kernel as a real launch specializes it: registers and
                                             # the SASS instruction mix of each loop (the no-GPU profile)
     python eval/compile_kernels.py --sass --blocks 32,64,128,64,64,64,128,64   # per-head key blocks (calibrated)
+    python eval/compile_kernels.py --sass --wide 1,6     # KV heads 1 and 6 wide (4-bit histories, `quant.wide_rows`)
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{q}", "sink_v": "*{q}", "codes_k": "*u8",
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
             "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
-            "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32"}
+            "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32", "wide_ptr": "*i32", "wide_table": "*i32",
+            "start_ptr": "*i64"}
 
 
 def signature(fn, constexprs, qtype):
@@ -66,7 +68,8 @@ def ptxas_report(kernel, cubin: str = os.devnull) -> str:
     return f"regs={regs.group(1) if regs else '?'} spill_stores={spill.group(1) if spill else '?'} smem={kernel.metadata.shared}"
 
 
-def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16, blocks=None) -> None:
+def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16, blocks=None,
+                 wide_heads=()) -> None:
     """Compiles the decode kernel exactly as `segment_attention_triton` would launch it for this shape (Triton's own
     specialization of each argument: integers equal to 1 become constants, multiples of 16 are marked divisible) and
     prints registers, spills and the SASS instruction mix of each loop."""
@@ -87,7 +90,10 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
     try:
         q = torch.zeros(batch, kv_heads, gqa, head_dim, dtype=dtype)
         bf = torch.zeros(batch, kv_heads, 256, head_dim, dtype=dtype)
-        codes = torch.zeros(batch, kv_heads, length, head_dim // 4, dtype=torch.uint8)
+        from oscar_hf.quant import wide_rows
+
+        wide = wide_rows([4 if h in wide_heads else 2 for h in range(kv_heads)])
+        codes = torch.zeros(batch, kv_heads + len(wide_heads), length, head_dim // 4, dtype=torch.uint8)
         meta = torch.zeros(batch, kv_heads, length, 1, 2, dtype=torch.float16)
         # the default layout: channel-wise keys, blocks of 64 tokens for every head in chunks of 128 (R = 2 per head)
         blocks, chunk = list(blocks or [64] * kv_heads), 128
@@ -96,7 +102,7 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
         extra = bf[:, :, :0]
         attention.segment_attention_triton(q, bf, bf, codes, meta_k, codes, meta, bf, bf, extra, extra, None,
                                            64, length // chunk * chunk, 256, 0, 1, length + 320, head_dim ** -0.5,
-                                           blocks, chunk)
+                                           blocks, chunk, wide)
     finally:
         attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
     fn, grid, args, kw = launches[0]
@@ -118,7 +124,7 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} BLOCK_N={kw['BLOCK_N']} "
-              f"KEY_SPLIT={kw.get('KEY_SPLIT')} {options}: "
+              f"KEY_SPLIT={kw.get('KEY_SPLIT')} WIDE={kw.get('WIDE')} {options}: "
               f"{ptxas_report(k, cubin)}")
         cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
@@ -166,7 +172,10 @@ def main():
         blocks = None
         if "--blocks" in sys.argv:
             blocks = [int(bk) for bk in sys.argv[sys.argv.index("--blocks") + 1].split(",")]
-        sass_profile(blocks=blocks, kv_heads=len(blocks) if blocks else 8)
+        wide = ()
+        if "--wide" in sys.argv:
+            wide = tuple(int(h) for h in sys.argv[sys.argv.index("--wide") + 1].split(","))
+        sass_profile(blocks=blocks, kv_heads=len(blocks) if blocks else 8, wide_heads=wide)
         return 0
     failures = 0
     # key_chunk: 0 token-wise keys, else channel-wise keys in chunks of that many tokens (per-head blocks are runtime
@@ -177,55 +186,60 @@ def main():
     variants += [(128, 1, 16, bn, "bf16", False, 128, 2) for bn in (32, 64, 128)] + [(64, 1, 16, 128, "bf16", True, 64, 2)]
     variants += [(128, 1, 64, 64, "bf16", True, 128, 0), (128, 1, 16, 64, "fp16", True, 0, 0),
                  (64, 2, 64, 32, "fp16", False, 128, 0)]
-    variants = [v + (False,) for v in variants]
+    variants = [v + (False, False) for v in variants]
     # mixed per-head blocks (`attention.key_tile`): tiles of twice the smallest block, split per head at run time;
     # every channel-wise loop (L2 look-ahead, register prefetch, the plain loop at one or two groups and 64-row tiles)
-    variants += [(128, 1, 16, bn, "bf16", False, 128, l2, True) for bn in (64, 128) for l2 in (0, 2)]
-    variants += [(64, 1, 16, 32, "bf16", True, 128, 2, True), (256, 1, 16, 64, "bf16", False, 128, 0, True),
-                 (128, 2, 16, 64, "bf16", False, 128, 0, True), (128, 1, 64, 64, "bf16", True, 128, 0, True)]
-    for d, groups, block_m, block_n, qtype, mask, key_chunk, l2, split in variants:
+    variants += [(128, 1, 16, bn, "bf16", False, 128, l2, True, False) for bn in (64, 128) for l2 in (0, 2)]
+    variants += [(64, 1, 16, 32, "bf16", True, 128, 2, True, False), (256, 1, 16, 64, "bf16", False, 128, 0, True, False),
+                 (128, 2, 16, 64, "bf16", False, 128, 0, True, False), (128, 1, 64, 64, "bf16", True, 128, 0, True, False)]
+    # wide heads (4-bit histories as two 2-bit planes, a runtime branch per program): every loop they take
+    variants += [(d, 1, 16, 64, "bf16", False, 128, l2, split, True) for d in (64, 128) for l2 in (0, 2)
+                 for split in (False, True)]
+    variants += [(256, 1, 16, 64, "bf16", False, 128, 0, True, True), (128, 1, 64, 64, "bf16", True, 128, 0, True, True)]
+    for d, groups, block_m, block_n, qtype, mask, key_chunk, l2, split, wide in variants:
         words = key_chunk > 0 and groups == 1 and block_m == 16 and d <= 128  # the launcher's choice
         prefetch = words and not l2
         const = dict(D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask,
                      UPCAST=False, DEVICE_LENGTHS=key_chunk > 0, PTX_UNPACK=True, META_WORDS=words, PREFETCH=prefetch,
-                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split)
+                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split, WIDE=wide)
         sig = signature(attention._segment_attention_kernel, const, qtype)
         if words:
             sig.update(meta_k="*i32", meta_v="*i32")
         name = (f"attention d={d} G={groups} KC={key_chunk} BM={block_m} BN={block_n} {qtype} mask={mask} "
-                f"prefetch={prefetch} l2_ahead={const['L2_AHEAD']} key_split={split}")
+                f"prefetch={prefetch} l2_ahead={const['L2_AHEAD']} key_split={split} wide={wide}")
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, sig, constexprs=const), target=TARGET)
             print(f"{name}: {ptxas_report(k)}", flush=True)
         except Exception as e:
             failures += 1
             print(f"{name}: FAILED {str(e)[-400:]}")
-    qvariants = [(d, 1, r, True, True, False) for d in (64, 128, 256) for r in (False, True)]
-    qvariants += [(128, 2, True, False, False, True), (64, 4, False, True, False, False)]
-    for d, groups, rotate, clip, bf16, meta_bf16 in qvariants:
+    qvariants = [(d, 1, r, True, True, False, False) for d in (64, 128, 256) for r in (False, True)]
+    qvariants += [(128, 2, True, False, False, True, False), (64, 4, False, True, False, False, False)]
+    qvariants += [(d, 1, r, True, True, False, True) for d in (64, 128) for r in (False, True)]  # wide heads
+    for d, groups, rotate, clip, bf16, meta_bf16, wide in qvariants:
         const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
-                     META=int(meta_bf16), UPCAST=False, SORT_BITS=16, TILES=8)
+                     META=int(meta_bf16), UPCAST=False, SORT_BITS=16, TILES=8, DEVICE_START=False, WIDE=wide)
         qtype = "bf16" if bf16 else "fp16"
         try:
             k = triton.compile(ASTSource(quantize._quantize_pack_kernel, signature(quantize._quantize_pack_kernel, const, qtype),
                                          constexprs=const), target=TARGET)
             if True:
-                print(f"quantize d={d} rotate={rotate} clip={clip}: {ptxas_report(k)}")
+                print(f"quantize d={d} rotate={rotate} clip={clip} wide={wide}: {ptxas_report(k)}")
         except Exception as e:
             failures += 1
             print(f"quantize d={d} G={groups} rotate={rotate} clip={clip} bf16={bf16}: FAILED {str(e)[-400:]}")
-    for d in (64, 128, 256):
-        for rotate in (False, True):
+    for d, rotate, wide in [(d, r, w) for d in (64, 128, 256) for r in (False, True) for w in (False, True)]:
+        if True:
             const = dict(D=d, KEY_CHUNK=128, SUB=16 if d >= 256 else 32, ROTATE=rotate, STORE_BF16=True, META=0,
-                         UPCAST=False)
+                         UPCAST=False, DEVICE_START=False, X_RING=False, WIDE=wide)
             try:
                 k = triton.compile(ASTSource(quantize._quantize_pack_channels_kernel,
                                              signature(quantize._quantize_pack_channels_kernel, const, "bf16"),
                                              constexprs=const), target=TARGET, options={"num_stages": 1})
-                print(f"quantize channel-wise d={d} rotate={rotate}: {ptxas_report(k)}")
+                print(f"quantize channel-wise d={d} rotate={rotate} wide={wide}: {ptxas_report(k)}")
             except Exception as e:
                 failures += 1
-                print(f"quantize channel-wise d={d} rotate={rotate}: FAILED {str(e)[-400:]}")
+                print(f"quantize channel-wise d={d} rotate={rotate} wide={wide}: FAILED {str(e)[-400:]}")
     print("failures:", failures)
     return 1 if failures else 0
 

@@ -19,9 +19,10 @@ MODEL_ORDER = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-cod
 MAIN = ["bf16", "oscar", "oscar-token", "oscar-ref", "naive-int2", "hadamard-int2", "kivi2", "kivi2-g64", "kivi2-g128",
         "oscar-s32w64", "hf-hqq-int2", "naive-int4"]
 DOMAINS = {"": "essays (in-domain)", "_python": "Python code", "_shakespeare": "Shakespeare plays"}
-HEADLINE = ["bf16", "oscar", "oscar-token", "kivi2-g64", "kivi2"]  # the default against the paper layout and KIVI-2
+# the default against itself without wide heads, the paper layout and KIVI-2
+HEADLINE = ["bf16", "oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"]
 LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "oscar-ch-id", "oscar-ch-auto",
-          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar", "kivi2-g64", "kivi2"]
+          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar", "kivi2-g64", "kivi2"]
 
 
 def load(model: str, stage: str):
@@ -213,16 +214,18 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
 def layout_bits(method: str, head_dim: int, tokens: int) -> float | None:
     """Bits per K/V element of a method's layout holding `tokens` tokens (16-bit metadata), from its accounting:
     OSCAR default: BF16 sink 64 + window 256..383 (whole chunks of 128 demoted), keys 2 + 32/64 (per-head blocks of
-    32/64/128 allocated at the metadata of 64 everywhere: at most that), values 2 + 32/d;
+    32/64/128 allocated at the metadata of 64 everywhere: at most that), values 2 + 32/d, and wide heads at 4 bits up
+    to the history budget (`OscarConfig.wide_budget`: at most that; `oscar-no-wide`: none);
     paper layout: sink 64 + window 256..263, 2 + 32/d for both; KIVI-2 (residual 128): keys in blocks of G tokens
     once 128 full-precision keys have gathered, values per token in groups of min(G, d) beyond the last 128."""
     sink, window = 64, 256
-    if method in ("oscar", "oscar-token"):
-        block = 128 if method == "oscar" else 8
-        hist = max(tokens - sink - window, 0) // block * block
-        k_bits = 2 + 32 / 64 if method == "oscar" else 2 + 32 / head_dim
-        v_bits = 2 + 32 / head_dim
-        return ((tokens - hist) * 16 + hist * (k_bits + v_bits) / 2) / tokens
+    if method in ("oscar", "oscar-no-wide", "oscar-token"):
+        from oscar_hf import OscarConfig
+
+        config = {"oscar": OscarConfig(), "oscar-no-wide": OscarConfig(wide_heads="none"),
+                  "oscar-token": OscarConfig(key_granularity="token", demotion_block=8)}[method]
+        hist = max(tokens - sink - window, 0) // config.demotion_block * config.demotion_block
+        return ((tokens - hist) * 16 + hist * config.history_bits_per_element(head_dim)) / tokens
     if method.startswith("kivi2"):
         g = {"kivi2": 32, "kivi2-g64": 64}.get(method, 128)
         k_hist = tokens // 128 * 128
@@ -241,7 +244,9 @@ def layout_section() -> list[str]:
            "(allocated per KV head at calibration, at the bits of 64 everywhere) of the chunks of 128 demoted "
            "from the BF16 window, in a per-(layer, KV head) basis chosen at calibration among the calibrated U·H·P, "
            "the data-free H·P and none, by held-out attention error; values token-wise after OSCAR's U·H·P rotation "
-           "and fitted clip. `oscar-token` is OSCAR in the paper's layout (token-wise keys, the previous default). "
+           "and fitted clip; and the KV heads that retrieve by content (a data-free induction score at calibration) "
+           "at 4 bits, as many as fit in 2.75 history bits at head_dim 64 and 2.4375 at 128 (`oscar-no-wide`: none, "
+           "the previous default). `oscar-token` is OSCAR in the paper's layout (token-wise keys). "
            "Calibration is always the default essays; `python` and `shakespeare` are text the calibration never saw "
            "in kind (`oscar_hf/evaluation/domains.py`). KIVI-2 is data-free, so its domain gap is the reference.", ""]
     rows = []
@@ -266,7 +271,7 @@ def layout_section() -> list[str]:
                 "files `ppl.json`, `ppl_python.json`, `ppl_shakespeare.json`.", ""]
     bits = ["| layout | history bits, head_dim 64 / 128 | all bits at 8K, d=64 / d=128 | at 32K, d=128 | at 128K, d=128 |",
             "|---|---|---|---|---|"]
-    for m in ("oscar", "oscar-token", "kivi2-g64", "kivi2"):
+    for m in ("oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"):
         hist = {64: layout_bits(m, 64, 10**9), 128: layout_bits(m, 128, 10**9)}
         bits.append(f"| `{m}` | {fmt(hist[64], 3)} / {fmt(hist[128], 3)} | {fmt(layout_bits(m, 64, 8192), 3)} / "
                     f"{fmt(layout_bits(m, 128, 8192), 3)} | {fmt(layout_bits(m, 128, 32768), 3)} | "

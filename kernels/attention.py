@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..ops import attention_layout_problem
-from .quantize import key_block_table, key_rows_per_chunk, to_storage
+from .quantize import key_block_table, key_rows_per_chunk, to_storage, wide_row_table
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -335,16 +335,43 @@ def _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
 
 
 @triton.jit
+def _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                     ASM: tl.constexpr):
+    """`s` plus the scores of a wide head's low key plane `lk`: the block's channel-wise dots with a quarter of each
+    scale and no minimum (x̂ = h·S + m + l·S/4, `oscar_hf.quant`, "wide heads")."""
+    z = ks0 * 0.0
+    return s + _channel_scores(q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z, ks3 * 0.25, z,
+                               BLOCK_N, UPCAST, ASM)
+
+
+@triton.jit
+def _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3, BLOCK_N: tl.constexpr,
+                           UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """`_wide_key_scores` for a tile over two key blocks (`_channel_scores_split`)."""
+    z = ks0 * 0.0
+    return s + _channel_scores_split(q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z, ks3 * 0.25, z,
+                                     ls0 * 0.25, z, ls1 * 0.25, z, ls2 * 0.25, z, ls3 * 0.25, z, BLOCK_N, UPCAST, ASM)
+
+
+@triton.jit
+def _wide_values(p, lv, vs, acc0, acc1, acc2, acc3, UPCAST: tl.constexpr, ASM: tl.constexpr):
+    """The accumulators plus a wide head's low value plane `lv` (one value group: a quarter of each token's scale,
+    no minimum)."""
+    l0, l1, l2, l3 = _planes(lv, ASM)
+    return _add_values_one_group(p, l0, l1, l2, l3, vs * 0.25, vs * 0.0, acc0, acc1, acc2, acc3, UPCAST)
+
+
+@triton.jit
 def _int2_range_words(
     q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, sc_b, sc_h, sc_t, sc_d,
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
     mk_ptr, smk_b, smk_c, smk_t, smk_g, kinv, koffset, split,
     mv_ptr, sm_b, sm_h, sm_t,
-    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n,
+    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, wide_row,
     D: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
     UPCAST: tl.constexpr, ASM: tl.constexpr, REGISTER_PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr,
-    KEY_SPLIT: tl.constexpr,
+    KEY_SPLIT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """`_int2_range` for the default layout (channel-wise keys, one value group per token), the meta read as 32-bit
     words (`mk_ptr`, `mv_ptr`: int32 views, one (scale, minimum) pair per word, strides in words), and bytes kept in
@@ -355,7 +382,9 @@ def _int2_range_words(
     at `koffset` in each chunk (`smk_c` apart), one per block of 1/`kinv` tokens (`_key_meta_row`). `KEY_SPLIT`: the
     launch's tiles may be twice some head's block; `split` (runtime, per program): this head's is, so each tile also
     reads the row of its second half, with the tile's other loads (masked off for other heads: the load waits on the
-    same round trip), and computes its scores in a branch that other heads skip (`_channel_scores_split`)."""
+    same round trip), and computes its scores in a branch that other heads skip (`_channel_scores_split`). `WIDE`:
+    the layer has wide heads; `wide_row` (runtime, per program): this head's low-plane codes row, or -1 (its low
+    key and value planes add their dots in a branch other heads skip)."""
     QD: tl.constexpr = D // 4
     HALF: tl.constexpr = BLOCK_N // 2
     dq = tl.arange(0, QD)
@@ -364,6 +393,8 @@ def _int2_range_words(
     base_cv = cv_ptr + b * scv_b + h * scv_h
     base_mk = mk_ptr + b * smk_b + koffset * smk_t
     base_mv = mv_ptr + b * sm_b + h * sm_h
+    base_lk = ck_ptr + b * sc_b + wide_row * sc_h  # read only for a wide head
+    base_lv = cv_ptr + b * scv_b + wide_row * scv_h
     acc1 = acc1 * 4.0
     acc2 = acc2 * 16.0
     acc3 = acc3 * 64.0
@@ -409,10 +440,25 @@ def _int2_range_words(
                 s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
         else:
             s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+        if WIDE:
+            if wide_row >= 0:
+                lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+                if KEY_SPLIT:
+                    if split:
+                        s = _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3,
+                                                   BLOCK_N, UPCAST, ASM)
+                    else:
+                        s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
+                else:
+                    s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
         valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         v0, v1, v2, v3 = _planes(cv, ASM)
         acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPCAST)
+        if WIDE:
+            if wide_row >= 0:
+                lv = tl.load(base_lv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
+                acc0, acc1, acc2, acc3 = _wide_values(p, lv, vs, acc0, acc1, acc2, acc3, UPCAST, ASM)
         if REGISTER_PREFETCH:
             ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = (
                 n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3)
@@ -428,13 +474,15 @@ def _int2_range(
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
     mk_ptr, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, split,
     mv_ptr, sm_b, sm_h, sm_t, sm_g, sm_2,
-    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale,
+    b, h, lo, hi, pos_offset, mask_ptr, smask_b, smask_n, scale, wide_row,
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
-    UPCAST: tl.constexpr, ASM: tl.constexpr, KEY_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, ASM: tl.constexpr, KEY_SPLIT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Online softmax over history tokens [lo, hi). Key meta: token-wise `[B, H, L, G, 2]`, or (`KEY_CHUNK` > 0)
     channel-wise `[B, n_chunks, R, d, 2]` (`smk_h` then is the chunk stride; this head's rows start at `koffset`,
-    one per block of 1/`kinv` tokens; `split`: this head's block is half the tile, see `_int2_range_words`)."""
+    one per block of 1/`kinv` tokens; `split`: this head's block is half the tile, see `_int2_range_words`).
+    `WIDE`, `wide_row`: wide heads (channel-wise keys and one value group only: the launcher checks), as in
+    `_int2_range_words`."""
     QD: tl.constexpr = D // 4
     HALF: tl.constexpr = BLOCK_N // 2
     dq = tl.arange(0, QD)
@@ -446,6 +494,8 @@ def _int2_range(
     else:
         base_mk = mk_ptr + b * smk_b + h * smk_h
     base_mv = mv_ptr + b * sm_b + h * sm_h
+    base_lk = ck_ptr + b * sc_b + wide_row * sc_h  # read only for a wide head
+    base_lv = cv_ptr + b * scv_b + wide_row * scv_h
     # quarter plane p lies in group p * GROUPS // 4 (GROUPS in {1, 2, 4})
     G1: tl.constexpr = 1 * GROUPS // 4
     G2: tl.constexpr = 2 * GROUPS // 4
@@ -479,8 +529,20 @@ def _int2_range(
                 else:
                     s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST,
                                         ASM)
+                if WIDE:
+                    if wide_row >= 0:
+                        lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+                        if split:
+                            s = _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3,
+                                                       BLOCK_N, UPCAST, ASM)
+                        else:
+                            s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
             else:
                 s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+                if WIDE:
+                    if wide_row >= 0:
+                        lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
+                        s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
         else:
             k0, k1, k2, k3 = _planes(ck, ASM)
             mrow = base_mk + idx * smk_t
@@ -504,6 +566,10 @@ def _int2_range(
         vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
             acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs0, vm0, acc0, acc1, acc2, acc3, UPCAST)
+            if WIDE:
+                if wide_row >= 0:
+                    lv = tl.load(base_lv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
+                    acc0, acc1, acc2, acc3 = _wide_values(p, lv, vs0, acc0, acc1, acc2, acc3, UPCAST, ASM)
         else:
             vs1, vm1 = _scale_min(vrow, G1 * sm_g, sm_2, ok)
             vs2, vm2 = _scale_min(vrow, G2 * sm_g, sm_2, ok)
@@ -523,7 +589,7 @@ def _segment_attention_kernel(
     sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
     codes_k, sc_b, sc_h, sc_t, sc_d,
     codes_v, scv_b, scv_h, scv_t, scv_d,
-    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table,
+    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table, wide_table,
     meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
     rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
     ext_k, ext_v, se_b, se_h, se_t, se_d,
@@ -535,6 +601,7 @@ def _segment_attention_kernel(
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
     META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr, KEY_SPLIT: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -564,6 +631,10 @@ def _segment_attention_kernel(
         kinv = 1.0
         koffset = 0
         key_split = False
+    if WIDE:
+        wide_row = tl.load(wide_table + h)  # this head's low-plane codes row (a wide head), or -1
+    else:
+        wide_row = -1
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     qpos = q_start + rows % T
@@ -607,15 +678,15 @@ def _segment_attention_kernel(
                 h0, h1, h2, h3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
                 meta_k, smk_b, smk_h, smk_t, smk_g, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t,
-                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST, PTX_UNPACK,
-                PREFETCH, L2_AHEAD, KEY_SPLIT)
+                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, wide_row, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST,
+                PTX_UNPACK, PREFETCH, L2_AHEAD, KEY_SPLIT, WIDE)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
                 h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
                 meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
-                sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, D, GROUPS, KEY_CHUNK, BLOCK_N, HAS_MASK,
-                UPCAST, PTX_UNPACK, KEY_SPLIT)
+                sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, wide_row, D, GROUPS, KEY_CHUNK, BLOCK_N,
+                HAS_MASK, UPCAST, PTX_UNPACK, KEY_SPLIT, WIDE)
     elif split < recent_split + recent_splits:
         # recent tokens [a, a + recent_chunk) of this split: ring slots ring_lo + a... modulo ring_size, at most two
         # contiguous pieces (one without a ring). Split like the history so that a short history does not leave the
@@ -765,21 +836,22 @@ def _sm_count(device: torch.device) -> int:
 def segment_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(),
-    key_chunk: int = 0, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    target_programs: int | None = None, prefetch: bool | None = None, l2_ahead: int | None = None,
+    key_chunk: int = 0, wide_rows=(), block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
+    l2_ahead: int | None = None,
 ):
     """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
     return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
                    extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
                    queries_per_group, scale, key_blocks, key_chunk, block_n, num_warps, num_stages, target_programs,
-                   prefetch, l2_ahead)
+                   prefetch, l2_ahead, wide_rows=wide_rows)
 
 
 def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
     queries_per_group, scale, key_blocks=(), key_chunk: int = 0, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
-    l2_ahead: int | None = None, value_rotation=None,
+    l2_ahead: int | None = None, value_rotation=None, wide_rows=(),
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
@@ -787,19 +859,26 @@ def decode_attention_triton(
     `out [B, H, M, d]` q.dtype."""
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
                      sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_blocks,
-                     key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation)
+                     key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation,
+                     wide_rows)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
-            num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None):
+            num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None, wide_rows=()):
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
-    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3], key_blocks)
+    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3], key_blocks,
+                                       bool(wide_rows))
     if problem:
         raise ValueError(problem)
+    wide_table = wide_row_table(wide_rows, h, q.device)  # cached: no tensor made on later calls
+    extra_rows = 0 if wide_table is None else sum(int(r) >= 0 for r in wide_rows)
+    if hist_codes_k.shape[1] != h + extra_rows or hist_codes_v.shape[1] != h + extra_rows:
+        raise ValueError(f"history codes have {hist_codes_k.shape[1]} / {hist_codes_v.shape[1]} head rows for {h} KV "
+                         f"heads and wide rows {list(wide_rows)}")
     if key_chunk:
         if len(key_blocks) != h:
             raise ValueError(f"{len(key_blocks)} channel-wise key blocks for {h} KV heads")
@@ -860,7 +939,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         sink_k, sink_v, *sink_k.stride(),
         hist_codes_k, *hist_codes_k.stride(),
         hist_codes_v, *hist_codes_v.stride(),
-        hist_meta_k, *hist_meta_k.stride(), key_table,
+        hist_meta_k, *hist_meta_k.stride(), key_table, hist_codes_k if wide_table is None else wide_table,
         hist_meta_v, *hist_meta_v.stride(),
         recent_k, recent_v, *recent_k.stride(),
         extra_k, extra_v, *extra_k.stride(),
@@ -871,7 +950,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
         D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
-        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split,
+        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)

@@ -10,6 +10,9 @@ Channel-wise keys (`_quantize_pack_channels_kernel`): one program per chunk of t
 (scale, minimum) per channel per block of the head's own block size, written into the layer's chunked key meta
 `[B, n_chunks, R, d, 2]` (`oscar_hf.quant.KeyBlockLayout`; the per-head block and row offset come from a small
 device table, `key_block_table`).
+Wide heads (`wide_row_table`: per KV head the codes row of its low plane, or -1): both kernels quantize those heads'
+rows with 15 levels and store the 4-bit code c = 4·h + l as the high plane h in the head's row and the low plane l in
+its extra row, the meta's scale being the high plane's, 4·s (`oscar_hf.quant`, "wide heads").
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import KeyBlockLayout
+from ..quant import KeyBlockLayout, check_wide_rows
 
 
 @triton.jit
@@ -34,19 +37,37 @@ def _rint(x):
 
 
 @triton.jit
-def _scale_minimum(lo, hi, META: tl.constexpr):
+def _scale_minimum(lo, hi, META: tl.constexpr, wide):
     # The stored scale and minimum, rounded to the metadata dtype exactly as `quant.quantize_rows` does
     # (META: 0 float16, 1 bfloat16, 2 float32; clamped to the dtype's range, scale at least its smallest normal).
+    # `wide` (a wide head): the 4-bit step, within a quarter of the range (its stored scale is 4x: `_stored_scale`).
+    levels = tl.where(wide, 15.0, 3.0)
     if META == 1:
-        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38).to(tl.bfloat16)
+        scale = tl.minimum(tl.maximum((hi - lo) / levels, 1.1754943508222875e-38),
+                           tl.where(wide, 8.507059173023462e37, 3.4028234663852886e38)).to(tl.bfloat16)
         minimum = lo.to(tl.bfloat16)
     elif META == 2:
-        scale = tl.maximum((hi - lo) / 3.0, 1.1754943508222875e-38)
+        scale = tl.minimum(tl.maximum((hi - lo) / levels, 1.1754943508222875e-38),
+                           tl.where(wide, 8.507059173023462e37, 3.4028234663852886e38))
         minimum = lo
     else:
-        scale = tl.minimum(tl.maximum((hi - lo) / 3.0, 6.103515625e-05), 65504.0).to(tl.float16)
+        scale = tl.minimum(tl.maximum((hi - lo) / levels, 6.103515625e-05), tl.where(wide, 16376.0, 65504.0)).to(tl.float16)
         minimum = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
     return scale, minimum
+
+
+@triton.jit
+def _wide_codes(x, s, m, wide):
+    """Codes rint((x − m)/s) in [0, 3], or, for a wide head, the 4-bit code's (high, low) 2-bit planes in [0, 15]."""
+    codes = _rint((x - m) / s)
+    codes = tl.minimum(tl.maximum(codes, 0.0), tl.where(wide, 15.0, 3.0)).to(tl.int32)
+    return tl.where(wide, codes >> 2, codes), codes & 3
+
+
+@triton.jit
+def _stored_scale(scale, wide):
+    """The meta's scale: a wide head's is its high plane's, 4·s (exact in the meta dtype)."""
+    return tl.where(wide, scale * 4.0, scale.to(tl.float32)).to(scale.dtype)
 
 
 @triton.jit
@@ -76,7 +97,7 @@ def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
 
 @triton.jit
 def _quantize_pack_channels_kernel(
-    x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr,
+    x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr, wide_ptr,
     heads, start_chunk, start, start_ptr,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
@@ -84,7 +105,7 @@ def _quantize_pack_channels_kernel(
     sm_b, sm_c, sm_r, sm_d, sm_2,
     D: tl.constexpr, KEY_CHUNK: tl.constexpr, SUB: tl.constexpr,
     ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
-    DEVICE_START: tl.constexpr, X_RING: tl.constexpr, ring_size,
+    DEVICE_START: tl.constexpr, X_RING: tl.constexpr, ring_size, WIDE: tl.constexpr,
 ):
     # One program per (chunk of KEY_CHUNK tokens, batch·head). Head h splits the chunk into blocks of `block` tokens
     # (`table_ptr` [H, 2] int32: block, first meta row of the head within a chunk); per block, pass 1 finds each
@@ -104,6 +125,11 @@ def _quantize_pack_channels_kernel(
     h = pid_bh % heads
     block = tl.load(table_ptr + 2 * h)
     offset = tl.load(table_ptr + 2 * h + 1)
+    if WIDE:
+        wide_row = tl.load(wide_ptr + h)  # a wide head's low plane row, or -1
+    else:
+        wide_row = -1
+    wide = wide_row >= 0
     cols = tl.arange(0, D)
     if ROTATE:  # loaded once for every block of the chunk, both passes
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
@@ -122,9 +148,9 @@ def _quantize_pack_channels_kernel(
             x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
             lo = tl.minimum(lo, tl.min(x, axis=0))
             hi = tl.maximum(hi, tl.max(x, axis=0))
-        scale, minimum = _scale_minimum(lo, hi, META)
+        scale, minimum = _scale_minimum(lo, hi, META, wide)
         meta_base = meta_chunk + (offset + j) * sm_r
-        tl.store(meta_base, scale)
+        tl.store(meta_base, _stored_scale(scale, wide))
         tl.store(meta_base + sm_2, minimum)
         s = scale.to(tl.float32)
         m = minimum.to(tl.float32)
@@ -132,11 +158,15 @@ def _quantize_pack_channels_kernel(
             rows = first + t0 + tl.arange(0, SUB)
             xrows = (start + rows) % ring_size if X_RING else rows
             x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
-            codes = _rint((x - m[None, :]) / s[None, :])
-            codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+            codes, low = _wide_codes(x, s[None, :], m[None, :], wide)
             codes = tl.reshape(codes, (SUB, 4, D // 4))
             packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
             tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d, packed)
+            if WIDE:
+                if wide:
+                    low_packed = tl.sum(tl.reshape(low, (SUB, 4, D // 4)) << shifts, axis=1).to(tl.uint8)
+                    tl.store(codes_ptr + b * sc_b + wide_row * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
+                             low_packed)
 
 
 @triton.jit
@@ -173,7 +203,7 @@ def _order_statistic_abs(x, k, STORE_BF16: tl.constexpr, SORT_BITS: tl.constexpr
 
 @triton.jit
 def _quantize_pack_kernel(
-    x_ptr, rot_ptr, codes_ptr, meta_ptr,
+    x_ptr, rot_ptr, codes_ptr, meta_ptr, wide_ptr,
     n_rows, heads, start, start_ptr,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
@@ -183,6 +213,7 @@ def _quantize_pack_kernel(
     D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROTATE: tl.constexpr, CLIP: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr,
     UPCAST: tl.constexpr, SORT_BITS: tl.constexpr, TILES: tl.constexpr, DEVICE_START: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     # One program per TILES consecutive tiles of BLOCK_T rows of one (batch, KV head): the rotation is read once per
     # program, not once per tile. DEVICE_START as in `_quantize_pack_channels_kernel`.
@@ -194,6 +225,11 @@ def _quantize_pack_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
     h = pid_bh % heads
+    if WIDE:
+        wide_row = tl.load(wide_ptr + h)  # a wide head's low plane row, or -1
+    else:
+        wide_row = -1
+    wide = wide_row >= 0
     cols = tl.arange(0, D)
     if ROTATE:
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
@@ -213,17 +249,21 @@ def _quantize_pack_kernel(
         xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
         lo = tl.min(xg, axis=2)
         hi = tl.max(xg, axis=2)
-        scale, minimum = _scale_minimum(lo, hi, META)
+        scale, minimum = _scale_minimum(lo, hi, META, wide)
         s = scale.to(tl.float32)
         m = minimum.to(tl.float32)
-        codes = _rint((xg - m[:, :, None]) / s[:, :, None])
-        codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
+        codes, low = _wide_codes(xg, s[:, :, None], m[:, :, None], wide)
         codes = tl.reshape(codes, (BLOCK_T, 4, D // 4))
         packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
         tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
                  packed, mask=row_ok[:, None])
+        if WIDE:
+            if wide:
+                low_packed = tl.sum(tl.reshape(low, (BLOCK_T, 4, D // 4)) << shifts, axis=1).to(tl.uint8)
+                tl.store(codes_ptr + b * sc_b + wide_row * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d,
+                         low_packed, mask=row_ok[:, None])
         meta_base = meta_ptr + b * sm_b + h * sm_h + (start + rows)[:, None] * sm_t + g[None, :] * sm_g
-        tl.store(meta_base, scale, mask=row_ok[:, None])
+        tl.store(meta_base, _stored_scale(scale, wide), mask=row_ok[:, None])
         tl.store(meta_base + sm_2, minimum, mask=row_ok[:, None])
 
 
@@ -248,6 +288,22 @@ def key_block_table(key_blocks, key_chunk: int, device: torch.device) -> torch.T
     return table
 
 
+_WIDE_TABLES: dict = {}
+
+
+def wide_row_table(wide_rows, heads: int, device: torch.device) -> torch.Tensor | None:
+    """The int32 `[H]` device table of each KV head's low-plane codes row (`oscar_hf.quant.wide_rows`; -1: not wide),
+    or None when no head is wide. Cached like `key_block_table`."""
+    rows = tuple(int(r) for r in wide_rows)
+    if not rows:
+        return None
+    key = (rows, device)
+    table = _WIDE_TABLES.get(key)
+    if table is None:
+        table = _WIDE_TABLES[key] = torch.tensor(check_wide_rows(rows, heads), dtype=torch.int32, device=device)
+    return table
+
+
 def key_rows_per_chunk(key_blocks, key_chunk: int) -> int:
     """R: key meta rows per chunk, all heads together."""
     return KeyBlockLayout(tuple(key_blocks), int(key_chunk)).rows_per_chunk
@@ -262,6 +318,7 @@ def quantize_pack_triton(
     start: int | torch.Tensor,
     key_blocks=(),
     key_chunk: int = 0,
+    wide_rows=(),
     tiles_per_program: int | None = None,
     ring: int = 0,
 ) -> None:
@@ -272,8 +329,13 @@ def quantize_pack_triton(
     clip; `start` and n multiples of the chunk). `start` may be an int64 device tensor of one element, read by the
     kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range).
     `ring` > 0 (channel-wise, device `start`): x `[B, H, >= ring, d]` is a ring, history row j at slot j mod ring, and
-    the one chunk of rows [start, start + key_chunk) is read from it."""
+    the one chunk of rows [start, start + key_chunk) is read from it. `wide_rows`: wide heads, their low planes in
+    the codes' rows after the H heads (`[B, H + U, L, d/4]`)."""
     b, h, n, d = x.shape
+    wide = wide_row_table(wide_rows, h, x.device)
+    if codes.shape[1] != h + (0 if wide is None else sum(int(r) >= 0 for r in wide_rows)):
+        raise ValueError(f"codes have {codes.shape[1]} head rows for {h} KV heads and wide rows {list(wide_rows)}")
+    wide_ptr = codes if wide is None else wide  # never read without wide heads
     if ring:
         if not key_chunk or not isinstance(start, torch.Tensor) or x.shape[2] < ring:
             raise ValueError("a ring source is read by channel-wise writes at a device start, from a ring of x's rows")
@@ -296,11 +358,11 @@ def quantize_pack_triton(
         table = key_block_table(key_blocks, key_chunk, x.device)
         sub = math.gcd(16 if d >= 256 else 32, *(int(bk) for bk in key_blocks))  # divides every block
         _quantize_pack_channels_kernel[(n // key_chunk, b * h)](
-            x, rot, codes, meta, table, h, start // key_chunk, start, start_ptr,
+            x, rot, codes, meta, table, wide_ptr, h, start // key_chunk, start, start_ptr,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
             D=d, KEY_CHUNK=key_chunk, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
             META=_META_CODES[meta.dtype], UPCAST=upcast, DEVICE_START=device_start, X_RING=ring > 0, ring_size=max(ring, 1),
-            num_stages=1,  # no pipelined copies of the rotation
+            WIDE=wide is not None, num_stages=1,  # no pipelined copies of the rotation
         )
         return
     groups = meta.shape[3]
@@ -319,7 +381,7 @@ def quantize_pack_triton(
         tiles = tiles_per_program
     grid = (triton.cdiv(n, block_t * tiles), b * h)
     _quantize_pack_kernel[grid](
-        x, rot, codes, meta,
+        x, rot, codes, meta, wide_ptr,
         n, h, start, start_ptr,
         *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
         clip_index,
@@ -328,6 +390,6 @@ def quantize_pack_triton(
         META=_META_CODES[meta.dtype], UPCAST=upcast,
         # rows are 16-bit values (stored so, or rounded so after the rotation): 16-bit patterns for the clip search
         SORT_BITS=16 if rotation is not None or x.dtype in (torch.bfloat16, torch.float16) else 32,
-        TILES=tiles, DEVICE_START=device_start, num_warps=num_warps,
+        TILES=tiles, DEVICE_START=device_start, WIDE=wide is not None, num_warps=num_warps,
     )
 

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from .config import OscarConfig
 from .models import check_attention_interface, kv_head_shards, text_config
 from . import ops
-from .quant import KeyBlockLayout, QuantizedKeyChunks, QuantizedRows
+from .quant import KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, wide_rows
 from .rotation import rotate  # noqa: F401  (re-exported: the cache and attention apply rotations through it)
 from .rotations_io import OscarRotations
 from .storage import QuantizedHistory
@@ -157,6 +157,8 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         max_cache_len: if given, the history is allocated for that many tokens up front (no regrowth).
         key_mean: `[H, d]` key mean subtracted from every incoming key before storage (key centering), or None.
         key_blocks: channel-wise key block of each KV head (`OscarConfig.key_blocks`); None: `config.key_block`.
+        head_bits: history bits of each KV head (`OscarConfig.head_bits`: 2, or 4 for the wide heads calibration
+            picked; 2-bit histories only); None: `config.bits` everywhere.
     """
 
     is_compileable = False
@@ -173,6 +175,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         max_cache_len: int | None = None,
         key_mean: torch.Tensor | None = None,
         key_blocks: tuple[int, ...] | None = None,
+        head_bits: tuple[int, ...] | None = None,
     ):
         super().__init__()
         if key_mean is not None and tuple(key_mean.shape) != tuple(key_rotation.shape[:2]):
@@ -185,6 +188,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         self.key_layout = (KeyBlockLayout(tuple(key_blocks or (config.key_block,) * heads), config.demotion_block)
                            if config.key_granularity == "channel" and config.bits < 16 else None)
         self.key_mean = None  # [1, H, 1, d] float32 on the model's device, set at lazy initialization
+        if head_bits is not None and len(head_bits) != heads:
+            raise ValueError(f"OscarLayer: {len(head_bits)} head bits for {heads} KV heads")
+        self.wide = wide_rows(head_bits) if head_bits is not None and config.bits == 2 else ()
         self.config = config
         self.key_clip, self.value_clip = float(key_clip), float(value_clip)
         self._key_rotation_master = key_rotation
@@ -202,8 +208,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         d, cfg = self._key_rotation_master.shape[-1], self.config
         group = cfg.group_size or d
         self.history_keys = QuantizedHistory(cfg.bits, cfg.key_granularity, group, self.key_layout, cfg.scale_dtype,
-                                             self.key_clip, d)
-        self.history_values = QuantizedHistory(cfg.bits, "token", group, None, cfg.scale_dtype, self.value_clip, d)
+                                             self.key_clip, d, self.wide)
+        self.history_values = QuantizedHistory(cfg.bits, "token", group, None, cfg.scale_dtype, self.value_clip, d,
+                                               self.wide)
 
     def __repr__(self):
         return f"OscarLayer(sink={self.n_sink}, history={self.history_keys.length}, recent={self.n_recent})"
@@ -605,13 +612,19 @@ class OscarCache(Cache):
         same_budget = all(rotations.layout.get(k) == getattr(config, k) for k in ("key_block", "demotion_block"))
         return config.key_blocks(heads, self._local_heads(i, rotations.key_block(i)) if same_budget else None)
 
+    def _head_bits(self, i: int, rotations: OscarRotations, config: OscarConfig) -> tuple[int, ...] | None:
+        """The history bits of each KV head of layer `i` on this rank (the file's wide heads; `OscarConfig.head_bits`)."""
+        heads = self._local_heads(i, rotations.key_rotations[i]).shape[0]
+        return config.head_bits(heads, self._local_heads(i, rotations.head_bit(i)))
+
     def _make_layers(self, geometry, rotations: OscarRotations, config: OscarConfig, max_cache_len: int | None):
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(geometry.plan):
             if kind == "oscar":
                 layers.append(OscarLayer(*self._layer_arguments(i, rotations, config), max_cache_len,
                                          key_mean=self._local_heads(i, rotations.key_mean(i)),
-                                         key_blocks=self._key_blocks(i, rotations, config)))
+                                         key_blocks=self._key_blocks(i, rotations, config),
+                                         head_bits=self._head_bits(i, rotations, config)))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
         return layers

@@ -16,6 +16,10 @@
 3. Clips: on held-out tokens (never used in step 1), per layer, the ratio in `clip_grid` that minimises the
    attention-output error when the keys (resp. values) outside the sink and recent window are clipped and quantized,
    exactly as the cache will store them (with `center_keys`, the held-out keys are centered by μ first).
+4. Wide heads (`OscarConfig.wide_heads`): the model reads a random token sequence twice; the KV heads whose second
+   reading attends most to the token after each token's first occurrence (the induction pattern by which a model
+   retrieves what it has seen: `RetrievalProbe`) keep their history at 4 bits, as many as the bit budget pays for.
+   The score needs no text, so it does not depend on the calibration domain.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .config import OscarConfig
 from .data import load_texts, sequence_prefix, token_sequences
 from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
-from .quant import fake_quantize, fake_quantize_channels
+from .quant import WIDE_BITS, fake_quantize, fake_quantize_channels
 from .rotation import build_rotation
 from .rotations_io import FINGERPRINT_KEY, LAYOUT_FIELDS, OscarRotations, geometry_dict_for, weight_fingerprint
 
@@ -154,7 +158,7 @@ def _register_capture() -> None:
 
 
 @contextlib.contextmanager
-def capturing(model, collector: StatisticsCollector):
+def capturing(model, collector: "StatisticsCollector | RetrievalProbe"):
     """Runs `model` with the capture attention; restores its attention implementation afterwards."""
     _register_capture()
     previous = text_config(model.config)._attn_implementation
@@ -402,6 +406,86 @@ def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: Osca
             for layer in sorted(errors)}
 
 
+# ----------------------------------------------------------------------------------------------- wide heads
+RETRIEVAL_SPAN = 256  # random tokens read twice
+RETRIEVAL_SEEDS = (0, 1)
+
+
+class RetrievalProbe:
+    """Per (layer, KV head) of the OSCAR layers, the retrieval score `[H_kv]`: over a sequence [prefix | A | A] of
+    random tokens A (`span` of them), the mean attention probability that a token of the second A pays to the token
+    after its own first occurrence (where a copying model finds what comes next); a KV head takes the largest of
+    its query heads, averaged over the sequences read (`observe` is called by the capture attention)."""
+
+    def __init__(self, geometry: ModelGeometry, prefix: int, span: int = RETRIEVAL_SPAN):
+        self.geometry, self.prefix, self.span = geometry, prefix, span
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+
+    def observe(self, layer_idx: int, query, key, value, attention_mask, scale: float) -> None:
+        if layer_idx not in self.geometry.oscar_layers:
+            return
+        hq, h = query.shape[1], key.shape[1]
+        rows = torch.arange(self.prefix + self.span, self.prefix + 2 * self.span - 1, device=query.device)
+        keys = key[0].float().repeat_interleave(hq // h, dim=0)  # [Hq, n, d]
+        logits = torch.einsum("hrd,hnd->hrn", query[0, :, rows].float(), keys) * scale
+        positions = torch.arange(keys.shape[1], device=query.device)
+        logits = logits.masked_fill(positions[None, None, :] > rows[None, :, None], float("-inf"))
+        target = (rows - self.span + 1)[None, :, None].expand(hq, -1, 1)
+        hit = logits.softmax(-1).gather(-1, target).squeeze(-1).mean(-1)  # [Hq]
+        score = hit.view(h, hq // h).amax(-1).double().cpu()
+        self.sums[layer_idx] = self.sums.get(layer_idx, 0) + score
+        self.counts[layer_idx] = self.counts.get(layer_idx, 0) + 1
+
+    @property
+    def scores(self) -> dict[int, torch.Tensor]:
+        return {layer: (total / self.counts[layer]).float() for layer, total in sorted(self.sums.items())}
+
+
+def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEVAL_SEEDS) -> dict[int, torch.Tensor]:
+    """`{layer: [H_kv]}` retrieval scores of the OSCAR layers (`RetrievalProbe`), from `len(seeds)` random sequences."""
+    geometry = model_geometry(model.config)
+    prefix = sequence_prefix(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    vocab = torch.tensor([t for t in range(min(len(tokenizer), text_config(model.config).vocab_size)) if t not in special])
+    max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
+    if max_positions is not None:
+        span = min(span, (max_positions - len(prefix)) // 2)
+    sequences = []
+    for seed in seeds:
+        body = vocab[torch.randint(len(vocab), (span,), generator=torch.Generator().manual_seed(seed))]
+        sequences.append(torch.cat([torch.tensor(prefix, dtype=torch.long), body, body]))
+    probe = RetrievalProbe(geometry, len(prefix), span)
+    was_training = model.training
+    model.eval()
+    try:
+        with capturing(model, probe):
+            _run(model, sequences, False, "retrieval probe")
+    finally:
+        model.train(was_training)
+    return probe.scores
+
+
+def allocate_wide_heads(scores: dict[int, torch.Tensor], config: OscarConfig, head_dim: int,
+                        key_blocks: dict[int, tuple[int, ...]] | None = None) -> dict[int, tuple[int, ...]] | None:
+    """`{layer: (history bits per KV head, ...)}`: the heads with the highest retrieval score at `quant.WIDE_BITS`,
+    as many as raise the history (keys and values averaged over every head, with these key blocks) to at most
+    `config.wide_budget(head_dim)`: a wide head costs WIDE_BITS − bits more on both streams. None when the budget
+    pays for none."""
+    units = [(layer, h) for layer in sorted(scores) for h in range(len(scores[layer]))]
+    if not units:
+        return None
+    key_bits = [config.bits + 2 * config.meta_bits / (key_blocks[layer][h] if key_blocks else config.key_block)
+                for layer, h in units]
+    history = (sum(key_bits) / len(units) + config.value_bits(head_dim)) / 2
+    count = int((config.wide_budget(head_dim) - history) * len(units) / (WIDE_BITS - config.bits) + 1e-9)
+    if count <= 0:
+        return None
+    chosen = set(sorted(units, key=lambda u: (-float(scores[u[0]][u[1]]), u))[:count])
+    return {layer: tuple(WIDE_BITS if (layer, h) in chosen else config.bits for h in range(len(scores[layer])))
+            for layer in sorted(scores)}
+
+
 def best_ratio(errors: dict[float, float]) -> float:
     """Smallest error; ties go to the larger ratio (less clipping)."""
     return min(errors, key=lambda r: (round(errors[r], 12), -r))
@@ -430,6 +514,7 @@ class CalibrationReport:
     value_clips: dict[int, float] | None
     clip_errors: dict[int, dict] = field(default_factory=dict)
     key_blocks: dict[int, tuple[int, ...]] | None = None
+    head_bits: dict[int, tuple[int, ...]] | None = None
 
     def summary(self, fixed=(0.96, 0.92)) -> str:
         lines = [f"calibrated on {self.tokens} tokens (+{self.heldout_tokens} held out) in {self.seconds:.1f} s"]
@@ -437,6 +522,9 @@ class CalibrationReport:
             blocks = [b for per_layer in self.key_blocks.values() for b in per_layer]
             counts = ", ".join(f"{blocks.count(b)} x {b}" for b in sorted(set(blocks)))
             lines.append(f"key blocks per KV head (tokens): {counts}")
+        if self.head_bits:
+            wide = [f"{layer}.{h}" for layer, bits in self.head_bits.items() for h, b in enumerate(bits) if b == WIDE_BITS]
+            lines.append(f"wide heads at {WIDE_BITS} bits (layer.head): {', '.join(wide)}")
         if self.key_clips:
             lines.append("layer | key clip | key err (fitted / none / 0.96) | value clip | value err (fitted / none / 0.92)")
             for layer, curves in sorted(self.clip_errors.items()):
@@ -558,6 +646,10 @@ def calibrate(
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
         if allocate:
             key_blocks = allocate_key_blocks(block_errors, config, key_bits)
+    head_bits = retrieval = None
+    if config.wide_heads == "retrieval" and config.wide_layout:
+        retrieval = retrieval_scores(model, tokenizer)
+        head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, key_blocks)
     seconds = time.perf_counter() - start
 
     import transformers
@@ -594,6 +686,13 @@ def calibrate(
                                       / sum(len(bl) for bl in key_blocks.values()), 4),
             "errors": {str(layer): {str(b): e.tolist() for b, e in errs.items()} for layer, errs in block_errors.items()},
         } if key_blocks else None,
+        "wide_heads": {
+            "objective": "highest retrieval score (attention from a repeated random-token sequence to the token after "
+                         "each token's first occurrence) within budget_history_bits",
+            "budget_history_bits": config.wide_budget(geometry.head_dim),
+            "bits": WIDE_BITS,
+            "scores": {str(layer): [round(float(x), 5) for x in sc] for layer, sc in retrieval.items()},
+        } if retrieval is not None else None,
         "clip_fit": {
             "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
             "grid": list(config.clip_grid),
@@ -620,9 +719,10 @@ def calibrate(
         key_means=None if key_means is None else {k: v.float() for k, v in key_means.items()},
         layout={name: getattr(config, name) for name in LAYOUT_FIELDS},
         key_blocks=key_blocks,
+        head_bits=head_bits,
     )
     rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves,
-                                         key_blocks)
+                                         key_blocks, head_bits)
     rotations.statistics = collector.layers
     return rotations
 

@@ -24,6 +24,7 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 CLIP_MODES = ("fitted", "none")
 KEY_GRANULARITIES = ("channel", "token")
 KEY_BLOCK_ALLOCATIONS = ("fitted", "uniform")
+WIDE_HEAD_CHOICES = ("retrieval", "none")
 # Ratios tried when fitting clip thresholds. The threshold of a row x (length d) is sort(|x|)[floor(r*d)];
 # r = 1.0 means "no clip". The reference implementation hand-sets 0.96 (keys) and 0.92 (values).
 DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
@@ -65,6 +66,15 @@ class OscarConfig:
             to a history of bits + 0.5 (KIVI-2 g64's, the size allowed at head_dim 128): 2.875 key bits at head_dim
             256, which Gemma-3-270M spends as blocks of 32, 32 and 64 (code perplexity +3.0% -> +2.7% over BF16,
             8K code needles 8/10 -> 9/10; eval/NOTES.md). Used at calibration only; the file stores the blocks.
+        wide_heads: `"retrieval"` (default): calibration keeps at 4 bits (`quant.WIDE_BITS`, two 2-bit planes) the
+            histories of the KV heads that retrieve by content — those with the highest induction score on a repeated
+            random-token sequence, a score that needs no data — as many as `wide_history_bits` pays for; the file
+            stores them and the cache reads them. On SmolLM2-135M nine such heads (10%) took the 4K needles in a code
+            haystack from 4/10 to 9/10 (eval/NOTES.md). Needs channel-wise keys and one value group per token.
+            `"none"`: every head at `bits` (a file's wide heads are ignored).
+        wide_history_bits: history bits per element (keys and values, averaged over every head) that the wide heads
+            may bring the layout to. `None` (default): 2.75 at head_dim <= 64, 2.4375 at 128 (the whole cache stays
+            <= 2.6 bits at 32K tokens), 2.5 above.
         key_granularity: `"channel"` (default) or `"token"` (the paper's recipe: a scale/minimum per token and group
             of channels, after the clip).
         key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
@@ -102,6 +112,8 @@ class OscarConfig:
     key_block: int = 64
     key_block_allocation: str = "fitted"
     allocation_history_bits: float | None = None
+    wide_heads: str = "retrieval"
+    wide_history_bits: float | None = None
     key_granularity: str = "channel"
     key_clip: str | float = "fitted"
     value_clip: str | float = "fitted"
@@ -148,6 +160,12 @@ class OscarConfig:
                 isinstance(self.allocation_history_bits, bool) or not isinstance(self.allocation_history_bits, (int, float))
                 or not self.bits < self.allocation_history_bits <= 16):
             fail("allocation_history_bits", f"must be None or a number of bits above bits ({self.bits}) and at most 16")
+        if self.wide_heads not in WIDE_HEAD_CHOICES:
+            fail("wide_heads", f"must be one of {WIDE_HEAD_CHOICES}")
+        if self.wide_history_bits is not None and (
+                isinstance(self.wide_history_bits, bool) or not isinstance(self.wide_history_bits, (int, float))
+                or not self.bits < self.wide_history_bits <= 16):
+            fail("wide_history_bits", f"must be None or a number of bits above bits ({self.bits}) and at most 16")
         if self.key_granularity == "channel" and self.demotion_block % self.key_block:
             fail("key_block", f"must divide demotion_block ({self.demotion_block}): keys enter the history in "
                               "whole demotion blocks")
@@ -226,6 +244,28 @@ class OscarConfig:
         return fitted
 
     @property
+    def wide_layout(self) -> bool:
+        """Whether this layout can hold wide heads: 2-bit, channel-wise keys, one value group per token (what the
+        decode kernel reads)."""
+        return self.bits == 2 and self.key_granularity == "channel" and self.group_size is None
+
+    def wide_budget(self, head_dim: int) -> float:
+        """History bits per element the wide heads may bring the layout to (`wide_history_bits`)."""
+        if self.wide_history_bits is not None:
+            return float(self.wide_history_bits)
+        return 2.75 if head_dim <= 64 else 2.4375 if head_dim <= 128 else 2.5
+
+    def head_bits(self, heads: int, fitted: tuple[int, ...] | list[int] | None) -> tuple[int, ...] | None:
+        """The history bits of each of `heads` KV heads of a layer: the file's wide heads (`fitted`) where this config
+        takes them (`wide_heads` not "none", a layout that holds them), else None (`bits` everywhere)."""
+        if fitted is None or self.wide_heads == "none" or not self.wide_layout:
+            return None
+        fitted = tuple(int(b) for b in fitted)
+        if len(fitted) != heads:
+            raise ValueError(f"the rotations' head bits {list(fitted)} do not fit {heads} KV heads")
+        return fitted
+
+    @property
     def meta_bits(self) -> int:
         """Bits of one stored scale or minimum."""
         return {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]
@@ -251,10 +291,14 @@ class OscarConfig:
     def history_bits_per_element(self, head_dim: int) -> float:
         """Bits per element of the quantized history (keys and values averaged): codes plus the 16-bit (or 32-bit)
         scale and minimum, per group of channels (values; token-wise keys) or per block of tokens (channel-wise keys:
-        key_block on average; a fitted allocation spends at most `allocation_key_bits`)."""
+        key_block on average; a fitted allocation spends at most `allocation_key_bits`), at most: wide heads fill the
+        layout up to `wide_budget` (calibration's allocation stops at the last head that fits)."""
         if self.bits == 16:
             return 16.0
-        return (self.allocation_key_bits(head_dim) + self.value_bits(head_dim)) / 2
+        base = (self.allocation_key_bits(head_dim) + self.value_bits(head_dim)) / 2
+        if self.wide_layout and self.wide_heads != "none":
+            return max(base, self.wide_budget(head_dim))
+        return base
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -70,10 +70,14 @@ def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
     return False
 
 
-def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_blocks=()) -> str | None:
+def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_blocks=(),
+                             wide: bool = False) -> str | None:
     """Why the INT2 decode kernel cannot read this layout, or None. The kernel applies one scale per quarter plane of
     the packed bytes (1, 2 or 4 token-wise groups per row), tiles keys by 16..128 tokens (every channel-wise key block
-    a multiple of the tile: powers of two >= 16 or multiples of 128) and needs head_dim >= 64."""
+    a multiple of the tile: powers of two >= 16 or multiples of 128) and needs head_dim >= 64; wide heads need
+    channel-wise keys and one value group per row (the default layout)."""
+    if wide and (not key_blocks or value_groups != 1):
+        return "the INT2 decode kernel reads wide heads with channel-wise keys and one value group per row only"
     if head_dim < 64 or head_dim & (head_dim - 1):
         return f"the INT2 decode kernel needs a power-of-two head_dim >= 64, got {head_dim}"
     for name, groups in (("value", value_groups), ("key", key_groups)):
@@ -90,43 +94,45 @@ def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, 
 # ------------------------------------------------------------------------------------------ quantize_pack
 def quantize_pack_reference(
     x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int,
-    key_blocks: list[int] = (), key_chunk: int = 0,
+    key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (),
 ) -> None:
     """Rotates (if `rotation` `[H, d, d]` is given), clips, quantizes to 2 bits and packs rows `x` `[B, H, n, d]` into
     `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`key_chunk == 0`,
     meta `[B, H, L, G, 2]`) or channel-wise with KV head h over blocks of `key_blocks[h]` tokens in chunks of
     `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; `start` and n multiples of the chunk, no
-    clip)."""
+    clip). `wide_rows` (`quant.wide_rows`): wide heads at 4 bits, their low planes in the codes' rows after the H heads
+    (codes `[B, H + U, L, d/4]`)."""
     n, d = x.shape[2], x.shape[3]
     if n == 0:
         return
     if rotation is not None:
         x = torch.matmul(x, rotation)
+    wide = tuple(wide_rows)
     if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype)
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide)
         codes[:, :, start : start + n] = q.codes
         meta[:, start // key_chunk : (start + n) // key_chunk] = q.meta
         return
     group = d // meta.shape[3]
-    q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, group, meta.dtype)
+    q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, group, meta.dtype, wide)
     codes[:, :, start : start + n] = q.codes
     meta[:, :, start : start + n] = q.meta
 
 
-def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0,
+def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, wide_rows=(),
                   kernel: bool | None = None) -> None:
     """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
     e.g. once outside a compiled region; None: decide here)."""
     if use_kernels(x) if kernel is None else kernel:
         kernel_op("quantize_pack")(x, rotation, float(clip_ratio), codes, meta, int(start),
-                                      [int(b) for b in key_blocks], int(key_chunk))
+                                      [int(b) for b in key_blocks], int(key_chunk), [int(r) for r in wide_rows])
     else:
-        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk)
+        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows)
 
 
 def quantize_pack_at_reference(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-    key_blocks: list[int] = (), key_chunk: int = 0, ring: int = 0,
+    key_blocks: list[int] = (), key_chunk: int = 0, ring: int = 0, wide_rows: list[int] = (),
 ) -> None:
     """`quantize_pack_reference` (rows already rotated) with the first row `start` an int64 tensor of one element on
     x's device, so that a captured decode step can write where the token count says without a host synchronisation;
@@ -145,24 +151,25 @@ def quantize_pack_at_reference(
     if n == 0:
         return
     rows = first + torch.arange(n, device=x.device)
+    wide = tuple(wide_rows)
     if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype)
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide)
         meta_index, meta_dim = torch.div(first, key_chunk, rounding_mode="floor") + torch.arange(n // key_chunk, device=x.device), 1
     else:
-        q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, d // meta.shape[3], meta.dtype)
+        q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, d // meta.shape[3], meta.dtype, wide)
         meta_index, meta_dim = rows, 2
     codes.index_copy_(2, rows, torch.where(due, q.codes, codes.index_select(2, rows)))
     meta.index_copy_(meta_dim, meta_index, torch.where(due, q.meta, meta.index_select(meta_dim, meta_index)))
 
 
-def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, ring: int = 0,
+def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, ring: int = 0, wide_rows=(),
                      kernel: bool | None = None) -> None:
     """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
     if use_kernels(x) if kernel is None else kernel:
         kernel_op("quantize_pack_at")(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
-                                         int(key_chunk), int(ring))
+                                         int(key_chunk), int(ring), [int(r) for r in wide_rows])
     else:
-        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring)
+        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
@@ -175,7 +182,7 @@ def segment_attention_reference(
     key_mask: torch.Tensor | None,
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
     queries_per_group: int, query_start: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
-    row_block: int = 1024, emulate_bf16: bool = False,
+    wide_rows: list[int] = (), row_block: int = 1024, emulate_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped query rows over [sink | INT2 history | recent | extra] (all rotated).
 
@@ -186,7 +193,8 @@ def segment_attention_reference(
         hist_codes_k/v: `[B, H, ≥n_hist, d/4]` uint8 (2-bit planar), hist_meta_v: `[B, H, ≥n_hist, G, 2]` (token-wise);
             hist_meta_k the same, or, when `key_chunk` > 0, channel-wise keys `[B, ≥n_hist/key_chunk, R, d, 2]`: KV
             head h over blocks of `key_blocks[h]` tokens in chunks of `key_chunk` (`quant.KeyBlockLayout`; n_hist a
-            multiple of the chunk).
+            multiple of the chunk). `wide_rows` (`quant.wide_rows`): wide heads' low planes in both codes tensors
+            (`[B, H + U, ...]`).
         key_mask: `[B, n_sink + n_hist + n_recent + n_extra]` bool (True = attend) or None. Causality comes from
             positions: sink at 0, history after it, then recent, then extra.
         emulate_bf16: round the probabilities to bfloat16 before they weigh the values, as the kernel's tensor-core
@@ -194,13 +202,15 @@ def segment_attention_reference(
     Returns:
         `(out [B, H, M, d] in q.dtype, lse [B, H, M] float32)`; rows with no visible key give 0 and -inf.
     """
-    d = q.shape[-1]
+    d, wide = q.shape[-1], tuple(wide_rows)
     if key_chunk:
         hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, : -(-n_hist // key_chunk)],
-                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk)))
+                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk), wide))
     else:
-        hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2, d // hist_meta_k.shape[3]))
-    hist_v = dequantize_rows(QuantizedRows(hist_codes_v[:, :, :n_hist], hist_meta_v[:, :, :n_hist], 2, d // hist_meta_v.shape[3]))
+        hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2,
+                                               d // hist_meta_k.shape[3], wide))
+    hist_v = dequantize_rows(QuantizedRows(hist_codes_v[:, :, :n_hist], hist_meta_v[:, :, :n_hist], 2,
+                                           d // hist_meta_v.shape[3], wide))
     keys = torch.cat([sink_k[:, :, :n_sink].float(), hist_k, recent_k[:, :, :n_recent].float(), extra_k[:, :, :n_extra].float()], 2)
     values = torch.cat([sink_v[:, :, :n_sink].float(), hist_v, recent_v[:, :, :n_recent].float(), extra_v[:, :, :n_extra].float()], 2)
     n = keys.shape[2]
@@ -229,14 +239,15 @@ def segment_attention_reference(
 def segment_attention(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(), key_chunk=0,
+    wide_rows=(),
 ):
     """`segment_attention_reference`'s contract, on the Triton kernel where it applies."""
     key_blocks = [int(b) for b in key_blocks] if key_chunk else []
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
             key_mask, int(n_sink), int(n_hist), int(n_recent), int(n_extra), int(queries_per_group), int(query_start),
-            float(scale), key_blocks, int(key_chunk))
+            float(scale), key_blocks, int(key_chunk), [int(r) for r in wide_rows])
     problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3],
-                                       key_blocks)
+                                       key_blocks, bool(wide_rows))
     if use_kernels(q, problem):
         return kernel_op("segment_attention")(*args)
     return segment_attention_reference(*args)
@@ -249,7 +260,7 @@ def decode_attention_reference(
     hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: torch.Tensor | None, lengths: torch.Tensor,
-    queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
+    queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (),
     value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
@@ -267,17 +278,19 @@ def decode_attention_reference(
             q_start + (r mod T) and sees positions <= its own.
         value_rotation: `[H, d, d]` R_V, or None: the output is un-rotated (·R_Vᵀ, in float32) before its rounding to
             q.dtype.
+        wide_rows: wide heads' low planes in both codes tensors (`quant.wide_rows`).
     Returns:
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
     n_sink, n_hist, n_recent, ring_lo, q_start = lengths.long().unbind()
     s, r, d = sink_k.shape[2], ring_k.shape[2], q.shape[-1]
-    device = q.device
+    device, wide = q.device, tuple(wide_rows)
     if key_chunk:
-        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k, hist_meta_k, 2, KeyBlockLayout(tuple(key_blocks), key_chunk)))
+        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k, hist_meta_k, 2, KeyBlockLayout(tuple(key_blocks), key_chunk),
+                                                          wide))
     else:
-        hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3]))
-    hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3]))
+        hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3], wide))
+    hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3], wide))
     slot = torch.arange(r, device=device)
     ring_offset = (slot - ring_lo) % r  # recent token index held by each ring slot
     sink_pos = torch.arange(s, device=device)
@@ -305,13 +318,13 @@ def decode_attention_reference(
 
 
 def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
-                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, value_rotation=None,
+                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, wide_rows=(), value_rotation=None,
                      kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
     selects the Triton kernel `oscar::decode_attention`."""
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
             int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk),
-            value_rotation)
+            [int(r) for r in wide_rows], value_rotation)
     if kernel:
         return kernel_op("decode_attention")(*args)
     return decode_attention_reference(*args)

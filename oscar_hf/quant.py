@@ -27,6 +27,13 @@ layer is one tensor `[B, n_chunks, R, d, 2]`, R = Σ_h chunk/blocks[h] rows per 
 offsets[h] .. offsets[h] + chunk/blocks[h] − 1 of each chunk. Token t (row t of the codes) of head h has its
 (scale, minimum) per channel at meta row (t // chunk, offsets[h] + (t % chunk) // blocks[h]). Uniform blocks are the
 special case blocks[h] == chunk (R = H).
+
+Wide heads (both streams, both granularities): the few KV heads that calibration finds retrieving by content keep
+their history at 4 bits inside the 2-bit layout. A wide head's 4-bit code c = 4·h + l is stored as two 2-bit rows
+under the head's one (scale, minimum) pair: the high plane h in the head's own row of the codes, the low plane l in
+an extra row after the layer's H KV heads (codes `[B, H + U, L, d/4]`, `wide_rows[h]` = H + j for the j-th wide head,
+−1 for the others), and the stored scale is the high plane's, S = 4·s (s, the 4-bit step, rounded to the meta dtype
+first, so S is exact): x̂ = h·S + m + l·S/4. Every reader adds the low plane; the meta tensors keep H heads.
 """
 
 from __future__ import annotations
@@ -130,19 +137,83 @@ def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.maximum(torch.minimum(x, tau), -tau)
 
 
+# --------------------------------------------------------------------------------------------- wide heads
+WIDE_BITS = 4  # the history bits of a wide head (module docstring)
+
+
+def wide_rows(head_bits) -> tuple[int, ...]:
+    """The codes row of each KV head's low plane, from its history bits (2 or `WIDE_BITS`): H + j for the j-th wide
+    head, −1 for the others; `()` when no head is wide."""
+    head_bits = tuple(int(b) for b in head_bits)
+    bad = [b for b in head_bits if b not in (2, WIDE_BITS)]
+    if bad:
+        raise ValueError(f"head bits must be 2 or {WIDE_BITS}, got {list(head_bits)}")
+    if WIDE_BITS not in head_bits:
+        return ()
+    out, extra = [], len(head_bits)
+    for b in head_bits:
+        out.append(extra if b == WIDE_BITS else -1)
+        extra += b == WIDE_BITS
+    return tuple(out)
+
+
+def wide_heads(rows) -> list[int]:
+    """The wide KV heads of `wide_rows`."""
+    return [h for h, r in enumerate(rows) if r >= 0]
+
+
+def check_wide_rows(rows, heads: int) -> tuple[int, ...]:
+    """`rows` as a tuple, checked against `heads` KV heads and the numbering of `wide_rows` (`()`: none wide)."""
+    rows = tuple(int(r) for r in rows)
+    if rows and rows != wide_rows([WIDE_BITS if r >= 0 else 2 for r in rows]) or (rows and len(rows) != heads):
+        raise ValueError(f"wide rows {list(rows)} do not number the low planes of {heads} KV heads in order "
+                         f"(H + j for the j-th wide head, -1 otherwise)")
+    return rows
+
+
+def _split_wide(packed4: torch.Tensor, meta4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit packed codes and their (scale, minimum) -> (high plane, low plane) as packed 2-bit codes, and the meta
+    with the high plane's scale 4·s (exact: a power of two)."""
+    codes = unpack_4bit_u8(packed4)
+    meta = meta4.clone()
+    meta[..., 0] = meta4[..., 0] * 4
+    return pack_2bit_u8(codes >> 2), pack_2bit_u8(codes & 3), meta
+
+
 # --------------------------------------------------------------------------------------------- quantizer
 @dataclass
 class QuantizedRows:
-    """Packed rows: `codes` `[..., d·bits/8]` uint8 and `meta` `[..., d/group_size, 2]` (scale, minimum)."""
+    """Packed rows: `codes` `[..., d·bits/8]` uint8 and `meta` `[..., d/group_size, 2]` (scale, minimum).
+    With `wide_rows` (2-bit rows `[B, H + U, L, d/4]`, meta `[B, H, L, G, 2]`): wide heads' low planes (module
+    docstring)."""
 
     codes: torch.Tensor
     meta: torch.Tensor
     bits: int
     group_size: int
+    wide_rows: tuple[int, ...] = ()
 
 
-def quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedRows:
-    """Token-wise asymmetric quantization of `x` `[..., d]` (float) into packed codes and (scale, minimum) pairs."""
+def quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str | torch.dtype = "float16",
+                  wide: tuple[int, ...] = ()) -> QuantizedRows:
+    """Token-wise asymmetric quantization of `x` `[..., d]` (float) into packed codes and (scale, minimum) pairs.
+    `wide` (2 bits, `x` `[B, H, n, d]`): the KV heads' `wide_rows`; those heads' rows are quantized at 4 bits and
+    stored as two 2-bit planes (module docstring)."""
+    if not wide:
+        return _quantize_rows(x, bits, group_size, meta_dtype)
+    if bits != 2:
+        raise ValueError(f"wide heads are stored in a 2-bit history, not a {bits}-bit one")
+    heads = wide_heads(check_wide_rows(wide, x.shape[1]))
+    q = _quantize_rows(x, 2, group_size, meta_dtype)
+    q4 = _quantize_rows(x[:, heads], WIDE_BITS, group_size, meta_dtype, wide=True)
+    high, low, q.meta[:, heads] = _split_wide(q4.codes, q4.meta)
+    codes = torch.cat([q.codes, low], dim=1)
+    codes[:, heads] = high
+    return QuantizedRows(codes, q.meta, 2, group_size, tuple(wide))
+
+
+def _quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str | torch.dtype = "float16",
+                   wide: bool = False) -> QuantizedRows:
     if isinstance(meta_dtype, str):
         meta_dtype = DTYPES[meta_dtype]
     d = x.shape[-1]
@@ -153,17 +224,31 @@ def quantize_rows(x: torch.Tensor, bits: int, group_size: int, meta_dtype: str |
     lo = xg.amin(-1)
     hi = xg.amax(-1)
     finfo = torch.finfo(meta_dtype)
-    scale = ((hi - lo) / levels).clamp(min=finfo.tiny, max=finfo.max).to(meta_dtype)
+    top = finfo.max / 4 if wide else finfo.max  # a wide head stores 4·s: s within a quarter of the dtype's range
+    scale = ((hi - lo) / levels).clamp(min=finfo.tiny, max=top).to(meta_dtype)
     minimum = lo.clamp(min=finfo.min, max=finfo.max).to(meta_dtype)
     s, m = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
     codes = torch.round((xg - m) / s).clamp_(0, levels).to(torch.uint8).reshape(x.shape)
     return QuantizedRows(pack_codes(codes, bits), torch.stack([scale, minimum], dim=-1), bits, group_size)
 
 
+def _low_meta(meta: torch.Tensor) -> torch.Tensor:
+    """The (scale, minimum) a wide head's low plane is read with: a quarter of the stored scale, no minimum."""
+    scale = meta[..., 0].float() / 4
+    return torch.stack([scale, torch.zeros_like(scale)], dim=-1)
+
+
 def dequantize_rows(q: QuantizedRows | tuple, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x̂ = code·scale + minimum, as `[..., d]` in `dtype`."""
+    """x̂ = code·scale + minimum, as `[..., d]` in `dtype` (wide heads: plus their low planes)."""
     if isinstance(q, tuple):
         q = QuantizedRows(*q)
+    if q.wide_rows:
+        heads = len(q.wide_rows)
+        out = dequantize_rows(QuantizedRows(q.codes[:, :heads], q.meta, q.bits, q.group_size))
+        for h, r in enumerate(q.wide_rows):
+            if r >= 0:
+                out[:, h] += dequantize_rows(QuantizedRows(q.codes[:, r], _low_meta(q.meta[:, h]), 2, q.group_size))
+        return out.to(dtype)
     codes = unpack_codes(q.codes, q.bits)
     d = codes.shape[-1]
     cg = codes.float().reshape(*codes.shape[:-1], d // q.group_size, q.group_size)
@@ -183,14 +268,16 @@ class QuantizedBlocks:
     block: int
 
 
-def quantize_channels(x: torch.Tensor, bits: int, block: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedBlocks:
+def quantize_channels(x: torch.Tensor, bits: int, block: int, meta_dtype: str | torch.dtype = "float16",
+                      wide: bool = False) -> QuantizedBlocks:
     """Channel-wise asymmetric quantization of `x` `[..., L, d]` (L a multiple of `block`): every channel gets one
-    scale and minimum per block of tokens, the codes are packed per token like `quantize_rows`."""
+    scale and minimum per block of tokens, the codes are packed per token like `quantize_rows`. `wide`: 4-bit codes
+    of a wide head (their scale kept within a quarter of the meta dtype's range)."""
     length, d = x.shape[-2], x.shape[-1]
     if length % block:
         raise ValueError(f"channel-wise quantization needs whole blocks: {length} tokens, block {block}")
     columns = x.float().reshape(*x.shape[:-2], length // block, block, d).transpose(-1, -2)  # [..., nb, d, block]
-    q = quantize_rows(columns, bits, block, meta_dtype)
+    q = _quantize_rows(columns, bits, block, meta_dtype, wide)
     codes = unpack_codes(q.codes, bits).reshape(columns.shape).transpose(-1, -2).reshape(x.shape)
     return QuantizedBlocks(pack_codes(codes, bits), q.meta.squeeze(-2), bits, block)
 
@@ -252,34 +339,43 @@ class KeyBlockLayout:
 @dataclass
 class QuantizedKeyChunks:
     """Channel-wise keys of one layer in the cache's layout: `codes` `[B, H, L, d·bits/8]` uint8 (one packed row per
-    token) and `meta` `[B, ceil(L/chunk), R, d, 2]` laid out by `layout` (module docstring). L need not fill the last
-    chunk (a view)."""
+    token; with `wide_rows`, `[B, H + U, L, d/4]`: wide heads' low planes after the H heads) and `meta`
+    `[B, ceil(L/chunk), R, d, 2]` laid out by `layout` (module docstring). L need not fill the last chunk (a view)."""
 
     codes: torch.Tensor
     meta: torch.Tensor
     bits: int
     layout: KeyBlockLayout
+    wide_rows: tuple[int, ...] = ()
 
 
 def quantize_key_chunks(x: torch.Tensor, bits: int, layout: KeyBlockLayout,
-                        meta_dtype: str | torch.dtype = "float16") -> QuantizedKeyChunks:
+                        meta_dtype: str | torch.dtype = "float16", wide: tuple[int, ...] = ()) -> QuantizedKeyChunks:
     """Channel-wise quantization of keys `x` `[B, H, L, d]` (L a multiple of `layout.chunk`), head h over blocks of
-    `layout.blocks[h]` tokens (`quantize_channels` per head)."""
+    `layout.blocks[h]` tokens (`quantize_channels` per head); `wide`: the heads' `wide_rows` (2 bits only), those
+    heads at 4 bits in two 2-bit planes."""
     b, h, length, d = x.shape
     if h != layout.heads:
         raise ValueError(f"key block layout is for {layout.heads} KV heads, got {h}")
     if length % layout.chunk:
         raise ValueError(f"keys enter the history in whole chunks of {layout.chunk} tokens, got {length}")
+    if wide and bits != 2:
+        raise ValueError(f"wide heads are stored in a 2-bit history, not a {bits}-bit one")
+    wide = check_wide_rows(wide, h)
     chunks = length // layout.chunk
-    codes = x.new_empty(b, h, length, d * bits // 8, dtype=torch.uint8)
+    codes = x.new_empty(b, h + len(wide_heads(wide)), length, d * bits // 8, dtype=torch.uint8)
     meta = None
     for head, (block, offset) in enumerate(zip(layout.blocks, layout.offsets)):
-        q = quantize_channels(x[:, head], bits, block, meta_dtype)  # meta [B, L/block, d, 2]
+        is_wide = bool(wide) and wide[head] >= 0
+        q = quantize_channels(x[:, head], WIDE_BITS if is_wide else bits, block, meta_dtype, is_wide)  # meta [B, L/block, d, 2]
+        q_codes, q_meta = q.codes, q.meta
+        if is_wide:
+            q_codes, codes[:, wide[head]], q_meta = _split_wide(q.codes, q.meta)
         if meta is None:
-            meta = q.meta.new_empty(b, chunks, layout.rows_per_chunk, d, 2)
-        codes[:, head] = q.codes
-        meta[:, :, offset : offset + layout.chunk // block] = q.meta.reshape(b, chunks, layout.chunk // block, d, 2)
-    return QuantizedKeyChunks(codes, meta, bits, layout)
+            meta = q_meta.new_empty(b, chunks, layout.rows_per_chunk, d, 2)
+        codes[:, head] = q_codes
+        meta[:, :, offset : offset + layout.chunk // block] = q_meta.reshape(b, chunks, layout.chunk // block, d, 2)
+    return QuantizedKeyChunks(codes, meta, bits, layout, wide)
 
 
 def head_blocks(q: QuantizedKeyChunks, head: int) -> QuantizedBlocks:
@@ -293,8 +389,15 @@ def head_blocks(q: QuantizedKeyChunks, head: int) -> QuantizedBlocks:
 
 
 def dequantize_key_chunks(q: QuantizedKeyChunks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense keys `[B, H, L, d]` in `dtype`."""
-    return torch.stack([dequantize_channels(head_blocks(q, h), dtype) for h in range(q.layout.heads)], dim=1)
+    """Dense keys `[B, H, L, d]` in `dtype` (wide heads: plus their low planes)."""
+    heads = []
+    for h in range(q.layout.heads):
+        blocks = head_blocks(q, h)
+        keys = dequantize_channels(blocks)
+        if q.wide_rows and q.wide_rows[h] >= 0:
+            keys += dequantize_channels(QuantizedBlocks(q.codes[:, q.wide_rows[h]], _low_meta(blocks.meta), 2, blocks.block))
+        heads.append(keys.to(dtype))
+    return torch.stack(heads, dim=1)
 
 
 def dequantize(q: "QuantizedRows | QuantizedBlocks | QuantizedKeyChunks | torch.Tensor",

@@ -13,7 +13,9 @@ On disk (a folder, or a Hub repo where it sits beside the model's own files):
 Format versions: 1 (no key means), 2 (key means present), 3 (adds `layout`: the storage layout the rotations and
 clips were fitted for — `key_granularity` and `demotion_block`, then also the block of channel-wise keys), 4 (the
 layout adds `key_block` and `key_block_allocation`; with a fitted allocation the JSON's `key_blocks` gives each OSCAR
-layer's channel-wise key block per KV head, `{"layer": [blocks]}`). Versions 1 and 2 were written for token-wise keys
+layer's channel-wise key block per KV head, `{"layer": [blocks]}`), 5 (adds `head_bits`, `{"layer": [bits per KV
+head]}` or null: 2, or 4 for the wide heads that calibration keeps at 4 bits, `OscarConfig.wide_heads`; a version 4 file
+loads with every head at 2 bits). Versions 1 and 2 were written for token-wise keys
 demoted in blocks of 8, version 3 for one key block (its demotion_block) everywhere, and load with that layout;
 `OscarCache` follows a file's layout unless given a config (and warns when the config's layout differs from the
 file's).
@@ -46,8 +48,8 @@ from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
 FORMAT_NAME = "oscar-rotations"
-FORMAT_VERSION = 4  # the version written
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # the version written
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # what format 1 and 2 files were calibrated for
 LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8, "key_block": 8, "key_block_allocation": "uniform"}
 LAYOUT_FIELDS = ("key_granularity", "demotion_block", "key_block", "key_block_allocation")
@@ -78,6 +80,8 @@ class OscarRotations:
             default `OscarConfig`'s.
         key_blocks: `{layer: (block per KV head, ...)}` channel-wise key blocks allocated at calibration
             (`OscarConfig.key_block_allocation="fitted"`), or `None`.
+        head_bits: `{layer: (history bits per KV head, ...)}`: 2, or `quant.WIDE_BITS` for the wide heads picked at
+            calibration (`OscarConfig.wide_heads`), or `None` (every head at the layout's bits).
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class OscarRotations:
         key_means: dict[int, torch.Tensor] | None = None,
         layout: dict[str, Any] | None = None,
         key_blocks: dict[int, Any] | None = None,
+        head_bits: dict[int, Any] | None = None,
     ):
         self.geometry = dict(geometry)
         default = OscarConfig()
@@ -116,6 +121,10 @@ class OscarRotations:
                                if key_blocks else None)
         except (TypeError, ValueError, AttributeError):
             raise RotationFileError(f"key_blocks must map layers to lists of integers, got {key_blocks!r}") from None
+        try:
+            self.head_bits = ({int(k): tuple(int(b) for b in v) for k, v in head_bits.items()} if head_bits else None)
+        except (TypeError, ValueError, AttributeError):
+            raise RotationFileError(f"head_bits must map layers to lists of integers, got {head_bits!r}") from None
         self.metadata = dict(metadata or {})
         self._check_consistency()
 
@@ -135,6 +144,18 @@ class OscarRotations:
     def key_block(self, layer: int) -> tuple[int, ...] | None:
         """The channel-wise key block of each KV head of `layer` allocated at calibration, or None."""
         return None if self.key_blocks is None else self.key_blocks[layer]
+
+    def head_bit(self, layer: int) -> tuple[int, ...] | None:
+        """The history bits of each KV head of `layer` (wide heads at `quant.WIDE_BITS`), or None."""
+        return None if self.head_bits is None else self.head_bits[layer]
+
+    @property
+    def wide_heads(self) -> list[tuple[int, int]]:
+        """The (layer, KV head) pairs stored at `quant.WIDE_BITS`."""
+        from .quant import WIDE_BITS
+
+        return [(layer, h) for layer, bits in sorted((self.head_bits or {}).items()) for h, b in enumerate(bits)
+                if b == WIDE_BITS]
 
     def key_clip(self, layer: int) -> float | None:
         return None if self.key_clips is None else self.key_clips.get(layer)
@@ -221,6 +242,17 @@ class OscarRotations:
                     raise RotationFileError(
                         f"key_blocks of layer {layer} are {list(blocks)}: expected {h} blocks (num_key_value_heads) "
                         f"that divide the layout's demotion_block {chunk}")
+        if self.head_bits is not None:
+            from .quant import WIDE_BITS
+
+            if set(self.head_bits) != set(self.key_rotations):
+                raise RotationFileError(f"head bits cover layers {sorted(self.head_bits)}, rotations cover {self.layers}")
+            for layer, bits in self.head_bits.items():
+                if len(bits) != h or any(b not in (2, WIDE_BITS) for b in bits):
+                    raise RotationFileError(f"head_bits of layer {layer} are {list(bits)}: expected {h} values "
+                                            f"(num_key_value_heads), each 2 or {WIDE_BITS}")
+            if not OscarConfig(**self.layout).wide_layout:
+                raise RotationFileError(f"head_bits need a layout with channel-wise 2-bit keys, got {self.layout}")
         for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
             if clips is None:
                 continue
@@ -275,6 +307,7 @@ class OscarRotations:
             "clip": {"key": clips(self.key_clips), "value": clips(self.value_clips)},
             "center_keys": self.center_keys,
             "key_blocks": None if self.key_blocks is None else {str(k): list(v) for k, v in sorted(self.key_blocks.items())},
+            "head_bits": None if self.head_bits is None else {str(k): list(v) for k, v in sorted(self.head_bits.items())},
             **self.metadata,
         }
 
@@ -414,6 +447,7 @@ class OscarRotations:
             # one key block (the demotion block) for every head
             layout = {"key_block": layout["demotion_block"], "key_block_allocation": "uniform"} | layout
         key_blocks = meta.pop("key_blocks", None)
+        head_bits = meta.pop("head_bits", None) if version >= 5 else None
         if not isinstance(layout, dict) or set(layout) != set(LAYOUT_FIELDS):
             raise RotationFileError(f"{config_path}: layout must be an object with the fields {list(LAYOUT_FIELDS)}, "
                                     f"got {layout!r}")
@@ -431,6 +465,7 @@ class OscarRotations:
             key_means=tables["key_mean"] or None,
             layout=layout,
             key_blocks=key_blocks,
+            head_bits=head_bits,
         )
 
     def push_to_hub(

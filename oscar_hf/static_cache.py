@@ -160,7 +160,7 @@ class StaticOscarLayer(OscarLayer):
         capacity = max(-(-max(self.max_cache_len - s, 0) // b) * b, b)
         kernel = ops.use_kernels(key_states, ops.attention_layout_problem(
             d, d // (cfg.group_size or d), 0 if self.history_keys.channelwise else d // (cfg.group_size or d),
-            self.history_keys.kernel_key_layout[0]))
+            self.history_keys.kernel_key_layout[0], bool(self.wide)))
         for history in (self.history_keys, self.history_values):
             history.allocate_static(key_states, capacity)
             history.kernel = kernel
@@ -407,7 +407,8 @@ class StaticOscarCache(OscarCache):
                                                graphs=self.graphs,
                                                max_cache_len=max_cache_len,
                                                key_mean=self._local_heads(i, rotations.key_mean(i)),
-                                               key_blocks=self._key_blocks(i, rotations, config)))
+                                               key_blocks=self._key_blocks(i, rotations, config),
+                                               head_bits=self._head_bits(i, rotations, config)))
             else:
                 layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len,
                                                        sliding_window=geometry.sliding_windows[i]))

@@ -4,6 +4,7 @@ One stream (the keys, or the values) of one OSCAR layer, rotated before it gets 
 cap capacity in tokens, d head_dim):
 
 - codes `[B, H, cap, d·bits/8]` uint8, one packed row per token (planar packing, `quant.py`), for both granularities;
+  with wide heads (`wide`, 2-bit histories) `[B, H + U, cap, d/4]`: their low planes after the H heads (`quant.py`);
 - token-wise meta `[B, H, cap, d/group_size, 2]`: (scale, minimum) per group of channels of each token;
 - channel-wise meta `[B, cap/chunk, R, d, 2]`: (scale, minimum) per channel of each block of tokens, KV head h in
   blocks of `layout.blocks[h]` tokens, all heads' blocks of one chunk of `layout.chunk` tokens in one slab of R rows
@@ -23,8 +24,8 @@ import torch
 
 from . import ops
 from .config import DTYPES
-from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize, quantize_key_chunks,
-                    quantize_rows)
+from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, check_wide_rows, clip_rows, dequantize,
+                    quantize_key_chunks, quantize_rows, wide_heads)
 
 GRANULARITIES = ("token", "channel")
 _BULK_RESERVE = 256  # spare rows after a bulk (prefill) append
@@ -40,10 +41,11 @@ class QuantizedHistory:
         group_size: channels per token-wise group. layout: the channel-wise blocks of each KV head (`KeyBlockLayout`;
             required for `"channel"`).
         scale_dtype: dtype of the scale and minimum. clip_ratio: per-row clip before token-wise quantization.
+        wide: `quant.wide_rows` of the KV heads (2-bit histories): those heads are stored at 4 bits; `()`: none.
     """
 
     def __init__(self, bits: int, granularity: str, group_size: int, layout: KeyBlockLayout | None, scale_dtype: str,
-                 clip_ratio: float, head_dim: int):
+                 clip_ratio: float, head_dim: int, wide: tuple[int, ...] = ()):
         if granularity not in GRANULARITIES:
             raise ValueError(f"history granularity must be one of {GRANULARITIES}, got {granularity!r}")
         self.bits = bits
@@ -55,6 +57,9 @@ class QuantizedHistory:
         self.scale_dtype = scale_dtype
         self.clip_ratio = clip_ratio
         self.head_dim = head_dim
+        self.wide = tuple(wide) if bits == 2 else ()
+        if self.wide and self.layout is not None:
+            check_wide_rows(self.wide, self.layout.heads)
         self.length = 0
         self.buffers: dict[str, torch.Tensor] = {}
         self.kernel: bool | None = None  # the static cache decides once whether the Triton kernels run (None: per call)
@@ -72,6 +77,11 @@ class QuantizedHistory:
     def kernel_key_layout(self) -> tuple[list[int], int]:
         """(blocks per KV head, chunk) as the attention ops take them; `([], 0)` for token-wise keys."""
         return (list(self.layout.blocks), self.layout.chunk) if self.channelwise else ([], 0)
+
+    @property
+    def wide_count(self) -> int:
+        """U: the wide heads, whose low planes follow the H heads' rows in the codes."""
+        return len(wide_heads(self.wide))
 
     def _row_dim(self, name: str) -> int:
         """The buffer dimension that runs along tokens (chunks for channel-wise meta)."""
@@ -94,7 +104,9 @@ class QuantizedHistory:
             meta = torch.empty(batch, capacity // chunk, self.layout.rows_per_chunk, d, 2, dtype=meta_dtype, device=device)
         else:
             meta = torch.empty(batch, heads, capacity, d // self.group_size, 2, dtype=meta_dtype, device=device)
-        codes = torch.empty(batch, heads, capacity, d * self.bits // 8, dtype=torch.uint8, device=device)
+        if self.wide:
+            check_wide_rows(self.wide, heads)
+        codes = torch.empty(batch, heads + self.wide_count, capacity, d * self.bits // 8, dtype=torch.uint8, device=device)
         return {"codes": codes, "meta": meta}
 
     def initialize(self, rows: torch.Tensor) -> None:
@@ -141,7 +153,8 @@ class QuantizedHistory:
     def _write_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
         if self.bits == 2:  # straight into the buffers: the Triton kernel on CUDA reads `start` itself
             ops.quantize_pack_at(rows, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                                 self.buffers["meta"], start, *self.kernel_key_layout, ring=ring, kernel=self.kernel)
+                                 self.buffers["meta"], start, *self.kernel_key_layout, ring=ring, wide_rows=self.wide,
+                                 kernel=self.kernel)
             return
         if ring:
             raise ValueError(f"a ring source is read by 2-bit histories only, not {self.bits}-bit ones")
@@ -168,7 +181,7 @@ class QuantizedHistory:
         if extra is None:
             extra = _BULK_RESERVE if bulk else max(_BULK_RESERVE, needed // 8)
         b, h = rows.shape[:2]
-        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)
+        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)  # (the codes' wide rows added there)
         for name, buf in self.buffers.items():
             n = self._meta_rows(self.length) if name == "meta" else self.length
             new[name].narrow(self._row_dim(name), 0, n).copy_(buf.narrow(self._row_dim(name), 0, n))
@@ -189,7 +202,7 @@ class QuantizedHistory:
         start, end = self.length, self.length + n
         if self.bits == 2:
             ops.quantize_pack(rows, rotation, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                              self.buffers["meta"], start, *self.kernel_key_layout)
+                              self.buffers["meta"], start, *self.kernel_key_layout, wide_rows=self.wide)
         else:
             if rotation is not None:
                 rows = torch.matmul(rows, rotation)
@@ -227,8 +240,8 @@ class QuantizedHistory:
             return b["dense"][:, :, start:end]
         if self.channelwise:
             return QuantizedKeyChunks(b["codes"][:, :, start:end], b["meta"][:, start // self.chunk : -(-end // self.chunk)],
-                                      self.bits, self.layout)
-        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size)
+                                      self.bits, self.layout, self.wide)
+        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size, self.wide)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.packed(start, end), dtype)

@@ -6,7 +6,7 @@ from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.attention import key_padding_mask
 from oscar_hf.ops import segment_attention_reference
-from oscar_hf.quant import KeyBlockLayout, dequantize, dequantize_rows, quantize_key_chunks, quantize_rows
+from oscar_hf.quant import KeyBlockLayout, dequantize, dequantize_rows, quantize_key_chunks, quantize_rows, wide_rows
 
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4)  # key blocks as before: one per demotion
 
@@ -21,20 +21,21 @@ def _masked_attention(q, k, v, scale, mask):
 
 
 def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1, dtype=torch.float32, seed=0, mask=True,
-                    key_blocks=(), key_chunk=0):
+                    key_blocks=(), key_chunk=0, head_bits=None):
     """Random inputs for `segment_attention` plus the dense float64 picture of the same keys/values. With `key_chunk`,
     keys are channel-wise, KV head h over blocks of `key_blocks[h]` tokens (an int: the same for every head) in
     chunks of `key_chunk` (`quant.KeyBlockLayout`; nh a multiple of the chunk, one spare chunk of capacity), each
-    channel with its own offset and spread (as post-RoPE keys have)."""
+    channel with its own offset and spread (as post-RoPE keys have). `head_bits`: the heads at 4 bits (wide)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = rnd(b, h, g * t, d).to(dtype)
     sink_k, sink_v = rnd(b, h, ns + 3, d).to(dtype), rnd(b, h, ns + 3, d).to(dtype)
-    hv = quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups)
+    wide = wide_rows(head_bits) if head_bits else ()
+    hv = quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups, wide=wide)
     if key_chunk:
         key_blocks = (key_blocks,) * h if isinstance(key_blocks, int) else tuple(key_blocks)
         raw = rnd(b, h, nh + key_chunk, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
-        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(key_blocks, key_chunk))
+        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(key_blocks, key_chunk), wide=wide)
     else:
         key_blocks = ()
         hk = quantize_rows(rnd(b, h, nh + 2, d) * 2, 2, d // groups)
@@ -46,7 +47,7 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
         key_mask = torch.ones(b, n, dtype=torch.bool)
         key_mask[0, :7] = False  # left padding of row 0
     args = (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, rec_k, rec_v, ext_k, ext_v, key_mask, ns, nh, nr, ne, t,
-            n - t, d ** -0.5, list(key_blocks), key_chunk)
+            n - t, d ** -0.5, list(key_blocks), key_chunk, list(wide))
     keys = torch.cat([sink_k[:, :, :ns].float(), dequantize(hk)[:, :, :nh], rec_k[:, :, :nr].float(), ext_k.float()], 2)
     values = torch.cat([sink_v[:, :, :ns].float(), dequantize_rows(hv)[:, :, :nh], rec_v[:, :, :nr].float(), ext_v.float()], 2)
     qpos = (n - t) + torch.arange(g * t) % t
@@ -60,7 +61,8 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
                                   dict(nh=32, key_blocks=16, key_chunk=16),
                                   dict(t=1, g=4, nh=64, key_blocks=32, key_chunk=32, groups=2),
                                   dict(t=1, g=4, nh=128, key_blocks=(16, 64), key_chunk=64),  # per-head blocks
-                                  dict(h=4, nh=64, key_blocks=(32, 8, 16, 32), key_chunk=32, groups=2)])
+                                  dict(h=4, nh=64, key_blocks=(32, 8, 16, 32), key_chunk=32, groups=2),
+                                  dict(h=3, nh=64, key_blocks=(16, 32, 32), key_chunk=32, head_bits=(4, 2, 4))])
 def test_segment_attention_reference_matches_dense_attention(case):
     args, (ref, ref_lse) = random_segments(**case)
     out, lse = segment_attention_reference(*args)

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_model
+from conftest import VOCAB, char_tokenizer, tiny_model
+from transformers import DynamicCache
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, UnsupportedModelError
 from oscar_hf.calibrate import StatisticsCollector, attention_column_energy, calibrate, capturing
 from oscar_hf.models import model_geometry
@@ -254,3 +255,75 @@ def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_
     with pytest.warns(RuntimeWarning, match="key_block=32 vs 16"):
         coarser = OscarCache(model, loaded, OscarConfig(**{**loaded.layout, "key_block": 32}))
     assert all(coarser.layers[l].key_layout.blocks == (32, 32) for l in rot.layers)
+
+
+def test_retrieval_probe_scores_the_head_that_attends_to_the_token_after_the_earlier_occurrence():
+    """`RetrievalProbe`: over [prefix | A | A], KV head 1's (only) query head looks up, from each token of the second
+    A, the token after its first occurrence; KV head 0 attends uniformly. Head 1 scores ~1, head 0 ~1/n."""
+    from oscar_hf.calibrate import RetrievalProbe
+    from oscar_hf.models import model_geometry
+
+    geometry = model_geometry(tiny_model("llama").config)
+    span, prefix, d = 16, 1, 16
+    n = prefix + 2 * span
+    keys = torch.zeros(1, 2, n, d)
+    queries = torch.zeros(1, 4, n, d)  # GQA 2: query heads 2, 3 belong to KV head 1
+    for i in range(prefix + span, n - 1):
+        target = i - span + 1
+        keys[0, 1, target, target % d] = 1.0
+        queries[0, 2, i, target % d] = 50.0  # a sharp lookup from query head 2
+    probe = RetrievalProbe(geometry, prefix, span)
+    probe.observe(0, queries, keys, keys, None, 1.0)
+    probe.observe(2, queries, keys, keys, None, 1.0)
+    scores = probe.scores
+    assert set(scores) == {0, 2} and scores[0].shape == (2,)
+    assert scores[0][1] > 0.95 and scores[0][0] < 0.1
+    assert torch.allclose(scores[0], scores[2])
+
+
+def test_wide_heads_fill_the_history_bit_budget_in_order_of_retrieval_score():
+    from oscar_hf.calibrate import allocate_wide_heads
+
+    config = OscarConfig()
+    scores = {0: torch.tensor([0.1, 0.9, 0.2]), 1: torch.tensor([0.5, 0.0, 0.8]), 2: torch.tensor([0.3, 0.4, 0.05])}
+    # head_dim 64: history 2.5 (keys 2.5, values 2.5), budget 2.75: int(0.25 * 9 / 2) = 1 wide head
+    assert allocate_wide_heads(scores, config, 64) == {0: (2, 4, 2), 1: (2, 2, 2), 2: (2, 2, 2)}
+    richer = config.replace(wide_history_bits=3.2)  # int(0.7 * 9 / 2) = 3
+    assert allocate_wide_heads(scores, richer, 64) == {0: (2, 4, 2), 1: (4, 2, 4), 2: (2, 2, 2)}
+    # finer key blocks already spend bits: (2.5 + 3 + 2.25 ... ) averaged, less left for wide heads
+    blocks = {layer: (32, 32, 32) for layer in scores}  # keys 3 bits: history 2.75, nothing left at 2.75
+    assert allocate_wide_heads(scores, config, 64, blocks) is None
+    assert allocate_wide_heads(scores, config, 128) is None  # 2.375 -> 2.4375: int(0.0625 * 9 / 2) = 0
+
+
+def test_calibration_keeps_the_retrieval_heads_wide_and_the_cache_stores_them_at_4_bits(text_file, tmp_path):
+    model = tiny_model("llama", attn="sdpa")
+    # head_dim 16, key blocks of 16: keys 2 + 32/16 and values 2 + 32/16 bits, a history of 4
+    config = OscarConfig(**{**SMALL, "demotion_block": 16, "key_block": 16, "key_block_allocation": "uniform"})
+    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False).head_bits is None
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config.replace(wide_history_bits=4.75),
+                    progress=False)  # int((4.75 - 4) * 6 / 2) = 2 of the 6 (layer, KV head)s
+    assert sum(b == 4 for bits in rot.head_bits.values() for b in bits) == 2 and len(rot.wide_heads) == 2
+    info = rot.metadata["wide_heads"]
+    ranked = sorted(((s, (int(l), h)) for l, sc in info["scores"].items() for h, s in enumerate(sc)), reverse=True)
+    assert sorted(rot.wide_heads) == sorted(u for _, u in ranked[:2])  # the two highest retrieval scores
+    assert "wide heads at 4 bits (layer.head): " in rot.report.summary()
+    rot.save_pretrained(tmp_path)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.head_bits == rot.head_bits
+    model.set_attn_implementation("oscar")
+    ids = torch.randint(3, VOCAB, (1, 80), generator=torch.Generator().manual_seed(2))
+    errors = {}
+    for name, cfg in (("wide", None), ("none", OscarConfig(**{**loaded.layout, **SMALL, "demotion_block": 16,
+                                                                  "key_block": 16, "wide_heads": "none"}))):
+        cache = OscarCache(model, loaded, cfg)
+        model(input_ids=ids, past_key_values=cache)
+        layer, head = loaded.wide_heads[0]
+        exact = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).past_key_values.layers[layer]
+        keys, _ = cache.layers[layer].stored_states()
+        stored = keys[:, head, 4:-24].float() @ cache.layers[layer].key_rotation[head].float().T
+        errors[name] = (stored - exact.keys[:, head, 4:-24].float()).abs().mean().item()
+        if name == "wide":
+            assert cache.layers[layer].history_keys.buffers["codes"].shape[1] == 2 + len(
+                [h for h in range(2) if loaded.head_bits[layer][h] == 4])
+    assert errors["wide"] < errors["none"] / 3  # the wide head's history is 4-bit

@@ -8,8 +8,15 @@ def test_defaults_and_their_bits():
     assert (c.bits, c.sink_tokens, c.window_tokens, c.demotion_block, c.key_granularity) == (2, 64, 256, 128, "channel")
     assert (c.key_block, c.key_block_allocation, c.key_block_choices) == (64, "fitted", (64, 128, 32))
     # keys: 2 + 32/64 per channel per block of 64 tokens on average; values: 2 + 32/head_dim per token
-    assert c.history_bits_per_element(128) == (2.5 + 2.25) / 2
-    assert c.history_bits_per_element(64) == 2.5
+    no_wide = c.replace(wide_heads="none")
+    assert no_wide.history_bits_per_element(128) == (2.5 + 2.25) / 2
+    assert no_wide.history_bits_per_element(64) == 2.5
+    # wide heads (4 bits) fill the history up to the size budget: 2.75 at head_dim 64, 2.4375 at 128 (the whole cache
+    # <= 2.6 bits at 32K tokens), 2.5 at 256
+    assert (c.wide_heads, c.wide_layout) == ("retrieval", True)
+    assert [c.history_bits_per_element(d) for d in (64, 128, 256)] == [2.75, 2.4375, 2.5]
+    assert c.replace(wide_history_bits=3.0).history_bits_per_element(128) == 3.0
+    assert not c.replace(key_granularity="token", demotion_block=8).wide_layout and not c.replace(group_size=32).wide_layout
     paper = OscarConfig(key_granularity="token", demotion_block=8)
     assert paper.history_bits_per_element(128) == 2.25 and paper.history_bits_per_element(64) == 2.5
     assert paper.replace(scale_dtype="float32").history_bits_per_element(128) == 2.5

@@ -9,7 +9,8 @@ from conftest import char_tokenizer, tiny_model
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.calibrate import calibrate
 from oscar_hf.evaluation.methods import (
-    RotationStore, Windows, ablation_methods, cache_bits, fill_from_prefill, get_method, main_methods,
+    RotationStore, Windows, ablation_methods, cache_bits, fill_from_prefill, format_methods, get_method,
+    main_methods,
     nominal_history_bits,
 )
 from oscar_hf.metrics import cache_kwarg
@@ -59,9 +60,13 @@ def test_nominal_bits_follow_the_papers_accounting():
     methods = main_methods()
     assert nominal_history_bits(methods["oscar-token"], 128) == 2.25  # the paper's 2.25 (+ windows -> 2.28 at 128K)
     assert nominal_history_bits(methods["oscar-token"], 64) == 2.5  # head_dim 64: 16-bit scale + min cost 0.5 bit
-    # the default: keys 2 + 32/64 (per channel per 64 tokens), values 2 + 32/head_dim (per token)
-    assert nominal_history_bits(methods["oscar"], 128) == 2.375
-    assert nominal_history_bits(methods["oscar"], 64) == 2.5
+    # keys 2 + 32/64 (per channel per 64 tokens), values 2 + 32/head_dim (per token)
+    no_wide = format_methods()["oscar-no-wide"]
+    assert nominal_history_bits(no_wide, 128) == 2.375
+    assert nominal_history_bits(no_wide, 64) == 2.5
+    # the default: wide heads (4 bits) up to 2.4375 / 2.75 bits, at most
+    assert nominal_history_bits(methods["oscar"], 128) == 2.4375
+    assert nominal_history_bits(methods["oscar"], 64) == 2.75
     assert nominal_history_bits(methods["kivi2"], 64) == 3.0  # a group of 32 tokens costs 1 bit
     assert nominal_history_bits(methods["kivi2-g64"], 64) == 2.5
     assert nominal_history_bits(methods["naive-int4"], 64) == 4.5

@@ -35,7 +35,7 @@ def test_float32_metadata_is_not_rounded_to_16_bits():
     outputs = []
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes, meta = _poisoned(1, 2, 24, 64, 1, torch.float32)
-        op(x, None, 0.9, codes, meta, 0, [], 0)
+        op(x, None, 0.9, codes, meta, 0, [], 0, [])
         outputs.append((codes, meta))
     assert torch.equal(outputs[0][1], outputs[1][1]) and torch.equal(outputs[0][0], outputs[1][0])
     assert not torch.equal(outputs[1][1], outputs[1][1].half().float())  # really float32 precision
@@ -65,7 +65,7 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, t
     quantize_pack_reference(x, rotation, ratio, ref_codes, ref_meta, start)
     codes, meta = _poisoned(b, h, cap, d, groups)
     if tiles_per_program is None:
-        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, [], 0)
+        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, [], 0, [])
     else:
         quantize_pack_triton(x, rotation, ratio, codes, meta, start, tiles_per_program=tiles_per_program)
     # rows outside [start, start + n) are untouched, rows inside are all written
@@ -119,7 +119,7 @@ def test_channelwise_quantize_pack_matches_the_torch_twin(d, blocks, chunk, rota
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
         meta = torch.full((b, cap // chunk, rows_per_chunk, d, 2), float("nan"), dtype=meta_dtype)
-        op(x, rotation, 1.0, codes, meta, start, list(blocks), chunk)
+        op(x, rotation, 1.0, codes, meta, start, list(blocks), chunk, [])
         outputs.append((codes, meta))
     (ref_codes, ref_meta), (codes, meta) = outputs
     rows, blk = slice(start, start + n), slice(start // chunk, (start + n) // chunk)
@@ -159,7 +159,7 @@ def test_quantize_pack_at_reads_its_first_row_on_the_device(kind, n, start):
         quantize_pack_reference(x, None, 0.9, *expected, start, list(blocks), chunk)
     for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
         codes, meta = fresh()
-        op(x, 0.9, codes, meta, torch.tensor([start]), list(blocks), chunk)
+        op(x, 0.9, codes, meta, torch.tensor([start]), list(blocks), chunk, 0, [])
         assert torch.equal(codes, expected[0]), op
         assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
 
@@ -186,9 +186,56 @@ def test_quantize_pack_at_reads_a_key_chunk_from_a_ring_in_place(start):
         assert ((start + torch.arange(chunk)) % ring).tolist()[31:33] == [95, 0]
     for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
         codes, meta = fresh()
-        op(ring_buf, 1.0, codes, meta, torch.tensor([start]), blocks, chunk, ring)
+        op(ring_buf, 1.0, codes, meta, torch.tensor([start]), blocks, chunk, ring, [])
         assert torch.equal(codes, expected[0]), op
         assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
+
+
+@pytest.mark.parametrize("chunk,n,start", [(0, 37, 5), (0, 1, 9), (128, 128, 128)])
+def test_quantize_pack_writes_wide_heads_like_its_twin(chunk, n, start):
+    """Wide heads (`quant.wide_rows`): the kernel stores the 4-bit code's high plane in the head's row, its low plane
+    in the head's extra row after the H heads, and 4·s as the scale, bit for bit as its twin (token-wise rows, a
+    decode token's one-row tile, channel-wise key chunks); the reconstruction is a 4-bit one."""
+    from oscar_hf.quant import QuantizedKeyChunks, QuantizedRows, KeyBlockLayout, dequantize, quantize_key_chunks, wide_rows
+
+    g = torch.Generator().manual_seed(n + chunk)
+    b, h, d, cap = 2, 3, 64, 384
+    head_bits = (4, 2, 4)
+    wide = list(wide_rows(head_bits))
+    assert wide == [3, -1, 4]
+    blocks = [64, 32, 128] if chunk else []
+    x = (torch.randn(b, h, n, d, generator=g) * torch.randn(d, generator=g).exp() + torch.randn(d, generator=g))
+    x = x.to(torch.bfloat16)
+    outputs = []
+    for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
+        codes = torch.full((b, h + 2, cap, d // 4), 0xAA, dtype=torch.uint8)
+        meta = (torch.full((b, cap // chunk, KeyBlockLayout(tuple(blocks), chunk).rows_per_chunk, d, 2), float("nan"),
+                           dtype=torch.float16) if chunk else torch.full((b, h, cap, 1, 2), float("nan"), dtype=torch.float16))
+        op(x, None, 1.0 if chunk else 0.9, codes, meta, start, blocks, chunk, wide)
+        outputs.append((codes, meta))
+    (ref_codes, ref_meta), (codes, meta) = outputs
+    assert torch.equal(codes, ref_codes) and torch.equal(meta.isnan(), ref_meta.isnan())
+    assert torch.equal(meta.nan_to_num(), ref_meta.nan_to_num())
+    assert (codes[:, :, start + n:] == 0xAA).all() and not (codes[:, 3:, start : start + n] == 0xAA).all()
+    rows = slice(start, start + n)
+    if chunk:
+        view = QuantizedKeyChunks(codes[:, :, rows], meta[:, start // chunk : (start + n) // chunk], 2,
+                                  KeyBlockLayout(tuple(blocks), chunk), tuple(wide))
+        stored = x.float()
+        four = quantize_key_chunks(stored, 4, KeyBlockLayout(tuple(blocks), chunk))
+    else:
+        from oscar_hf.quant import clip_rows, quantize_rows
+
+        view = QuantizedRows(codes[:, :, rows], meta[:, :, rows], 2, d, tuple(wide))
+        stored = clip_rows(x.float(), 0.9)
+        four = quantize_rows(stored, 4, d)
+    got, want = dequantize(view), dequantize(four)
+    assert torch.allclose(got[:, [0, 2]], want[:, [0, 2]], atol=1e-3)  # the wide heads: a 4-bit reconstruction
+    error = (got - stored).abs().mean((0, 2, 3))
+    assert error[1] > 3 * error[0] and error[1] > 3 * error[2]  # the 2-bit head
+    at = torch.full_like(codes, 0xAA), torch.full_like(meta, float("nan"))
+    torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.9, *at, torch.tensor([start]), blocks, chunk, 0, wide)
+    assert torch.equal(at[0], codes)  # the device-start op writes the same
 
 
 def test_key_block_tables_are_made_once_per_layout():
@@ -225,6 +272,12 @@ def _lowp_reference(args):
     dict(t=5, g=2, d=128, nh=256, key_blocks=(128, 64), key_chunk=128, groups=2),  # a short chunk, per-head blocks
     dict(t=9, g=2, d=64, h=4, nh=128, key_blocks=(128, 64, 32, 128), key_chunk=128),  # 64-row query tiles
     dict(t=1, g=2, d=64, h=3, nh=96, key_blocks=(32, 16, 32), key_chunk=32),  # tiles of 32, head 1 split in two 16s
+    # wide heads (4 bits as two 2-bit planes): the decode loop with a split wide head, the plain loop of 64-row query
+    # tiles, head_dim 256
+    dict(t=1, g=4, d=128, nh=256, key_blocks=(32, 128), key_chunk=128, head_bits=(4, 2)),
+    dict(t=1, g=2, d=64, h=3, nh=256, key_blocks=(64, 64, 128), key_chunk=128, head_bits=(2, 4, 4)),
+    dict(t=9, g=2, d=64, h=3, nh=128, key_blocks=(128, 64, 32), key_chunk=128, head_bits=(4, 2, 4)),
+    dict(t=1, g=2, d=256, h=2, nh=128, key_blocks=(64, 128), key_chunk=128, head_bits=(2, 4)),
 ])
 def test_segment_attention_kernel_matches_the_twin(case):
     for seed in range(2):
@@ -332,24 +385,35 @@ def test_custom_ops_have_consistent_fake_implementations():
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     codes, meta = _poisoned(1, 1, 8, 64, 1)
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, [], 0),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, [], 0, []),
                           test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16)
     codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
     meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)  # blocks (32, 16) in chunks of 32: R = 3
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32, []),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.oscar.quantize_pack_at.default, (x, 1.0, codes, meta, torch.tensor([32]), [32, 16], 32),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack_at.default, (x, 1.0, codes, meta, torch.tensor([32]), [32, 16], 32, 0, []),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _with_wide_heads(rotations, head_bits):
+    """`rotations` with the same wide heads in every layer (as calibration would store them)."""
+    rotations.head_bits = {layer: tuple(head_bits) for layer in rotations.layers}
+    rotations._check_consistency()
+    return rotations
 
 
 @pytest.mark.parametrize("config", [
     dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_granularity="token", key_clip=0.9, value_clip="none"),
     dict(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16, value_clip="none"),  # channel-wise keys (default)
-], ids=["token", "channel"])
+    dict(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16, value_clip=0.9, head_bits=(2, 4)),
+], ids=["token", "channel", "wide"])
 def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config):
     from conftest import VOCAB, tiny_model
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
+
+    config = dict(config)
+    head_bits = config.pop("head_bits", None)
 
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
     mask = torch.ones_like(ids)
@@ -359,7 +423,11 @@ def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config)
         monkeypatch.setenv("OSCAR_HF_KERNELS", mode)
         model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, num_hidden_layers=2)
-        cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(**config))
+        rotations = OscarRotations.data_free(model, "hadamard")
+        if head_bits:
+            rotations = _with_wide_heads(rotations, head_bits)
+        cache = OscarCache(model, rotations, OscarConfig(**config))
+        assert cache.layers[0].wide == ((-1, 2) if head_bits else ())
         out = []
         for a, b in [(0, 25), (25, 26), (26, 27), (27, 40)]:
             out.append(model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits.float())
@@ -369,7 +437,7 @@ def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch, config)
     assert (logits["1"] - ref).abs().max() / ref.abs().max() < 0.05
 
 
-@pytest.mark.parametrize("layout", ["token", "channel"])
+@pytest.mark.parametrize("layout", ["token", "channel", "wide"])
 def test_a_static_cache_decode_through_the_kernels_matches_the_torch_path(monkeypatch, layout):
     """StaticOscarCache's decode steps with the kernels (`rotate_store_token`, the value and key-block writes from
     the ring in place, `decode_attention` with the output un-rotated in the merge) against the torch twins: a prefill,
@@ -387,7 +455,10 @@ def test_a_static_cache_decode_through_the_kernels_matches_the_torch_path(monkey
         monkeypatch.setenv("OSCAR_HF_KERNELS", mode)
         model = tiny_model("llama", dtype=torch.bfloat16, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, num_hidden_layers=2)
-        cache = StaticOscarCache(model, OscarRotations.data_free(model, "hadamard"), config, max_cache_len=64)
+        rotations = OscarRotations.data_free(model, "hadamard")
+        if layout == "wide":
+            rotations = _with_wide_heads(rotations, (4, 2))
+        cache = StaticOscarCache(model, rotations, config, max_cache_len=64)
         out = []
         with torch.no_grad():
             out.append(model(input_ids=ids[:, :2], attention_mask=mask[:, :2], past_key_values=cache).logits.float())
@@ -474,8 +545,8 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     hk, hv = layer.history_keys.buffers, layer.history_values.buffers
     args = (q, layer.sink_keys[:, :, :4], layer.sink_values[:, :, :4], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
             layer.ring_keys[:, :, :48], layer.ring_values[:, :, :48], mask, cache.plan.lengths, 1, 0.125,
-            *layer.history_keys.kernel_key_layout)
-    assert args[-1] == (16 if layout == "channel" else 0)
+            *layer.history_keys.kernel_key_layout, [])
+    assert args[-2] == (16 if layout == "channel" else 0)
     # n_sink, n_hist, n_recent, ring_lo, q_start: slots 32..47 then 0..11 of the ring of 48
     assert cache.plan.lengths.tolist() == [4, 128, 28, 32, 159]
     ref = decode_attention_reference(*args).double()
@@ -487,11 +558,12 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, blocks, chunk, seed):
+def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, blocks, chunk, seed, head_bits=None):
     """Random buffers of a static cache as `decode_attention` reads them: sink, a history of `capacity` rows (a whole
-    number of chunks; channel-wise keys in `blocks` per head, or token-wise when `chunk` is 0) of which n_hist are
-    valid, and a ring of `ring` slots holding n_recent tokens from slot ring_lo on (wrapped)."""
-    from oscar_hf.quant import KeyBlockLayout, quantize_key_chunks, quantize_rows
+    number of chunks; channel-wise keys in `blocks` per head, or token-wise when `chunk` is 0; `head_bits`: wide
+    heads) of which n_hist are valid, and a ring of `ring` slots holding n_recent tokens from slot ring_lo on
+    (wrapped)."""
+    from oscar_hf.quant import KeyBlockLayout, quantize_key_chunks, quantize_rows, wide_rows
 
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -499,11 +571,12 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     q = rnd(b, h, g * t, d).to(torch.bfloat16)
     sink_k, sink_v = rnd(b, h, n_sink, d).to(torch.bfloat16), rnd(b, h, n_sink, d).to(torch.bfloat16)
     raw = rnd(b, h, capacity, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
+    wide = wide_rows(head_bits) if head_bits else ()
     if chunk:
-        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk))
+        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk), wide=wide)
     else:
         hk = quantize_rows(raw, 2, d)
-    hv = quantize_rows(rnd(b, h, capacity, d), 2, d)
+    hv = quantize_rows(rnd(b, h, capacity, d), 2, d, wide=wide)
     ring_k, ring_v = rnd(b, h, ring, d).to(torch.bfloat16), rnd(b, h, ring, d).to(torch.bfloat16)
     n = n_sink + capacity + ring
     mask = torch.ones(b, n, dtype=torch.bool)
@@ -511,7 +584,7 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     q_start = n_sink + n_hist + n_recent - t
     lengths = torch.tensor([n_sink, n_hist, n_recent, ring_lo, q_start], dtype=torch.int32)
     return (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, ring_k, ring_v, mask, lengths, t, d ** -0.5,
-            list(blocks) if chunk else [], chunk)
+            list(blocks) if chunk else [], chunk, list(wide))
 
 
 @pytest.mark.parametrize("case", [
@@ -525,6 +598,7 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     dict(d=128, h=2, t=3, capacity=256, n_hist=136, blocks=(64, 64), chunk=128),    # several query positions
     dict(d=64, h=2, t=1, capacity=128, n_hist=0, blocks=(32, 64), chunk=64),        # no history yet
     dict(d=64, h=2, t=1, capacity=192, n_hist=100, blocks=(), chunk=0),             # token-wise keys
+    dict(d=128, h=3, t=1, capacity=384, n_hist=200, blocks=(64, 32, 128), chunk=128, head_bits=(2, 4, 4)),  # wide heads
 ])
 def test_decode_kernel_reads_per_head_key_blocks_like_its_twin(case):
     """`oscar::decode_attention` on static-cache-shaped buffers (lengths on the device, ring wrapped) with each KV head's
@@ -629,7 +703,7 @@ def test_eager_calls_take_the_launchers_and_traced_calls_the_custom_ops(monkeypa
     for op in (custom_ops.EAGER["quantize_pack"], torch.ops.oscar.quantize_pack):
         codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
         meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)
-        op(x, None, 1.0, codes, meta, 32, [32, 16], 32)
+        op(x, None, 1.0, codes, meta, 32, [32, 16], 32, [])
         written.append((codes, meta))
     assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
     assert written[0][0].any()

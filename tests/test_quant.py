@@ -129,3 +129,47 @@ def test_key_chunk_layouts_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="for 2 KV heads"):
         quantize_key_chunks(torch.randn(1, 3, 128, 64), 2, KeyBlockLayout((64, 64), 128))
     assert KeyBlockLayout((32, 128, 64), 128).select([2, 0]) == KeyBlockLayout((64, 32), 128)
+
+
+def test_wide_rows_number_the_low_planes_after_the_heads_in_order():
+    from oscar_hf.quant import check_wide_rows, wide_rows
+
+    assert wide_rows((2, 2, 2)) == ()
+    assert wide_rows((4, 2, 4)) == (3, -1, 4)
+    assert check_wide_rows((3, -1, 4), 3) == (3, -1, 4) and check_wide_rows((), 3) == ()
+    for bad in ((4, -1, 3), (3, -1), (-1, -1, 3, 4)):
+        with pytest.raises(ValueError, match="wide rows"):
+            check_wide_rows(bad, 3)
+    with pytest.raises(ValueError, match="head bits must be 2 or 4"):
+        wide_rows((2, 3))
+
+
+def test_wide_heads_are_their_4bit_codes_in_two_2bit_planes():
+    """A wide head's row holds the 4-bit code's high plane under 4x the 4-bit scale, its extra row the low plane:
+    together exactly the 4-bit quantization (token-wise and channel-wise); the other heads are plain 2-bit."""
+    from oscar_hf.quant import dequantize_key_chunks, unpack_4bit_u8, wide_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 128, 64, generator=g) * torch.logspace(-1, 1, 64) + torch.randn(64, generator=g)
+    wide = wide_rows((4, 2, 4))
+    q = quantize_rows(x, 2, 64, wide=wide)
+    q4, q2 = quantize_rows(x[:, [0, 2]], 4, 64), quantize_rows(x, 2, 64)
+    assert q.codes.shape == (2, 5, 128, 16) and q.meta.shape == (2, 3, 128, 1, 2) and q.wide_rows == wide
+    for j, (head, row) in enumerate(((0, 3), (2, 4))):
+        four = 4 * unpack_2bit_u8(q.codes[:, head]) + unpack_2bit_u8(q.codes[:, row])
+        assert torch.equal(four, unpack_4bit_u8(q4.codes[:, j]))
+        assert torch.equal(q.meta[:, head, ..., 0], 4 * q4.meta[:, j, ..., 0])
+        assert torch.equal(q.meta[:, head, ..., 1], q4.meta[:, j, ..., 1])
+    assert torch.equal(q.codes[:, 1], q2.codes[:, 1]) and torch.equal(q.meta[:, 1], q2.meta[:, 1])
+    out = dequantize_rows(q)
+    assert torch.allclose(out[:, [0, 2]], dequantize_rows(q4), atol=1e-6)
+    assert torch.equal(out[:, 1], dequantize_rows(q2)[:, 1])
+    layout = KeyBlockLayout((32, 64, 128), 128)
+    k = quantize_key_chunks(x, 2, layout, wide=wide)
+    k4 = quantize_key_chunks(x, 4, layout)
+    assert k.codes.shape == (2, 5, 128, 16) and k.meta.shape == (2, 1, layout.rows_per_chunk, 64, 2)
+    keys = dequantize_key_chunks(k)
+    assert torch.allclose(keys[:, [0, 2]], dequantize_key_chunks(k4)[:, [0, 2]], atol=1e-6)
+    assert torch.equal(keys[:, 1], dequantize_key_chunks(quantize_key_chunks(x, 2, layout))[:, 1])
+    with pytest.raises(ValueError, match="2-bit history"):
+        quantize_rows(x, 4, 64, wide=wide)

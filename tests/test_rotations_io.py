@@ -223,7 +223,7 @@ def test_key_blocks_round_trip_and_are_checked(tmp_path):
     rot.key_blocks = {l: (32, 128) for l in rot.layers}
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 4 and meta["key_blocks"]["0"] == [32, 128]
+    assert meta["format_version"] == 5 and meta["key_blocks"]["0"] == [32, 128]
     assert meta["layout"] == {"key_granularity": "channel", "demotion_block": 128, "key_block": 64,
                               "key_block_allocation": "fitted"}
     loaded = OscarRotations.from_pretrained(tmp_path)
@@ -234,6 +234,25 @@ def test_key_blocks_round_trip_and_are_checked(tmp_path):
     rewrite_rotation_file(tmp_path, rot, lambda m: m["key_blocks"].update({"0": [64]}))
     with pytest.raises(RotationFileError, match="expected 2 blocks"):
         OscarRotations.from_pretrained(tmp_path)
+
+
+def test_head_bits_round_trip_are_checked_and_format_4_files_have_none(tmp_path):
+    rot = _rotations()
+    rot.head_bits = {l: (4, 2) for l in rot.layers}
+    rot.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert meta["format_version"] == 5 and meta["head_bits"]["0"] == [4, 2]
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.head_bit(1) == (4, 2) and loaded.wide_heads == [(l, 0) for l in rot.layers]
+    rewrite_rotation_file(tmp_path, rot, lambda m: m["head_bits"].update({"0": [3, 2]}))
+    with pytest.raises(RotationFileError, match="head_bits of layer 0 are \\[3, 2\\]"):
+        OscarRotations.from_pretrained(tmp_path)
+    rewrite_rotation_file(tmp_path, rot, lambda m: m["layout"].update({"key_granularity": "token", "demotion_block": 8,
+                                                                        "key_block": 8}))
+    with pytest.raises(RotationFileError, match="head_bits need a layout with channel-wise 2-bit keys"):
+        OscarRotations.from_pretrained(tmp_path)
+    rewrite_rotation_file(tmp_path, rot, lambda m: m.update({"format_version": 4}) or m.pop("head_bits"))
+    assert OscarRotations.from_pretrained(tmp_path).head_bits is None  # version 4: every head at 2 bits
 
 
 def test_format_3_files_load_with_one_key_block_everywhere(tmp_path):

@@ -242,6 +242,8 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
          b64.replace(choose_key_basis=False, key_target="query")),
         ("oscar-uniform-b64", "the default with key blocks of 64 for every head (no per-head allocation)", b64),
+        ("oscar-no-wide", "the default without wide heads (every head at 2 bits: the previous default, format 4)",
+         base.replace(wide_heads="none")),
         ("oscar-values-g128", "the default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
          "2.375 like head_dim 128)", base.replace(group_size=128)),
         # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
@@ -283,6 +285,8 @@ def calibration_key(config: OscarConfig) -> str:
         key += f",key_block={config.key_block},key_block_allocation={config.key_block_allocation}"
         if config.key_block_allocation == "fitted":  # its budget (None: the head_dim rule of allocation_key_bits)
             key += f",allocation_history_bits={config.allocation_history_bits}"
+    if config.wide_layout and config.wide_heads != "none":
+        key += f",wide_heads={config.wide_heads},wide_history_bits={config.wide_history_bits}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
 
