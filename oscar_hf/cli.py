@@ -144,7 +144,8 @@ def cmd_calibrate(args) -> int:
 
     if args.data not in (None, "default") and not args.data.startswith("hf:") and not Path(args.data).is_file():
         raise UsageError(f"calibration data file {args.data} not found")
-    config = load_config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None)
+    config = load_config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None,
+                         wide_heads="none" if args.no_wide_heads else None)
     model, tokenizer, path = load_model(args.model, args.dtype, args.device_map, attn="sdpa", tokenizer=args.tokenizer)
     output = args.output
     if output is None:
@@ -377,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--center-keys", action="store_true",
                    help="subtract the calibrated per-(layer, KV head) key mean before storing keys (OscarConfig."
                         "center_keys; helps models whose keys carry a large mean, e.g. Qwen2.5, Gemma 3)")
+    p.add_argument("--no-wide-heads", action="store_true",
+                   help="every KV head at 2 bits (OscarConfig.wide_heads='none'; by default the heads that retrieve "
+                        "by content keep a 4-bit history, within the size budget)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
     p.set_defaults(func=cmd_calibrate)

@@ -65,6 +65,20 @@ def test_center_keys_flag_and_yaml_field(model_dir, tmp_path, capsys):
                  "--max-new-tokens", "4", "--config", str(config), "--dtype", "float32"]) == 0
 
 
+def test_no_wide_heads_flag(model_dir, tmp_path, capsys):
+    # a budget that pays for wide heads in the tiny model (head_dim 16: a history of 4 bits at key blocks of 16)
+    data, config = tmp_path / "calib.txt", tmp_path / "oscar.json"
+    data.write_text(TEXT)
+    OscarConfig(**{**SMALL, "demotion_block": 16, "key_block": 16, "wide_history_bits": 4.75}).save(config)
+    for name, flags in (("wide", ()), ("none", ("--no-wide-heads",))):
+        main(["calibrate", "--model", str(model_dir), "--output", str(tmp_path / name), "--data", str(data),
+              "--config", str(config), *flags, "--dtype", "float32", "--quiet"])
+    assert "wide heads at 4 bits" in capsys.readouterr().out
+    assert len(OscarRotations.from_pretrained(tmp_path / "wide").wide_heads) == 2
+    none = OscarRotations.from_pretrained(tmp_path / "none")
+    assert none.head_bits is None and none.metadata["oscar_config"]["wide_heads"] == "none"
+
+
 def test_missing_prompt_is_an_error(model_dir, tmp_path, capsys):
     rot = OscarRotations.data_free(tiny_model("llama"), "hadamard")
     rot.save_pretrained(tmp_path / "r")
