@@ -11,7 +11,7 @@ from conftest import char_tokenizer, rewrite_rotation_file, tiny_model
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.calibrate import StatisticsCollector, calibrate, capturing
 from oscar_hf.models import model_geometry
-from oscar_hf.rotations_io import CONFIG_NAME, WEIGHTS_NAME, OscarRotations, RotationFileError
+from oscar_hf.rotations_io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, OscarRotations, RotationFileError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 SMALL = dict(calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16,
@@ -99,7 +99,7 @@ def test_file_round_trip_with_means(tmp_path):
     rot = centered_data_free(model)
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["center_keys"] is True and meta["format_version"] == 4
+    assert meta["center_keys"] is True and meta["format_version"] == FORMAT_VERSION
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.center_keys and set(loaded.key_means) == set(rot.key_means)
     for layer, mean in rot.key_means.items():
@@ -110,7 +110,7 @@ def test_old_format_file_loads_without_means_in_its_token_wise_layout(tmp_path):
     model = tiny_model("llama")
     OscarRotations.data_free(model.config).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 4 and meta["layout"]["key_granularity"] == "channel"
+    assert meta["format_version"] == FORMAT_VERSION and meta["layout"]["key_granularity"] == "channel"
     del meta["center_keys"], meta["layout"]  # exactly what the first oscar-hf release wrote
     meta["format_version"] = 1
     layers = [str(i) for i in model_geometry(model.config).oscar_layers]
