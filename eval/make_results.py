@@ -54,6 +54,27 @@ def fmt(x, digits=2):
     return f"{x:.{digits}f}"
 
 
+# The first runs with wide heads (rotation format 5) date from here. An `oscar` cell measured earlier is the format-4
+# default, which `oscar-no-wide` names now; tables mark it with STALE. Cells a file carried over from an earlier run
+# keep only that run's date, so the date decides for them; a file's own runs record their OscarConfig.
+WIDE_HEADS_SINCE = "2026-12-03 19:00"
+STALE = "†"
+STALE_NOTE = (f"{STALE} measured before wide heads, with the previous default (what `oscar-no-wide` is now); on a "
+              "model whose calibration picks no wide head (gemma3-270m: head_dim 256 leaves no room under its "
+              "budget) the two are the same cache.")
+
+
+def predates_wide(meta: dict, name: str, cell: str | None = None) -> str:
+    """STALE when the `oscar` result (of per-trial `cell` "oscar@length", if given) was measured before wide heads."""
+    if name != "oscar":
+        return ""
+    cells = (meta.get("carried_over") or {}).get("cells")
+    if cell is not None and isinstance(cells, dict) and cell in cells:
+        return STALE if cells[cell]["date"] < WIDE_HEADS_SINCE else ""
+    config = meta.get("methods", {}).get(name, {}).get("oscar_config", {})
+    return "" if "wide_heads" in config else STALE
+
+
 def models() -> list[str]:
     stages = ("ppl", "niah", "ablations", "diagnostics", "lm_eval", "centering_ppl")
     found = [p.name for p in RESULTS.iterdir() if p.is_dir() and any((p / f"{s}.json").is_file() for s in stages)] \
@@ -181,17 +202,21 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
         if name not in res:
             continue
         r = res[name]
-        cells = [f"`{name}`", fmt(r["perplexity"]), f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%",
+        cells = [f"`{name}`", fmt(r["perplexity"]) + predates_wide(meta, name), f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%",
                  fmt(r["bits"]["bits_per_element"], 3), fmt(meta["methods"][name]["history_bits"], 3)]
         if lengths:
             n = niah_acc.get(name)
             for L in lengths:
-                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}" if n and L in n["by_length"] else "–")
+                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}{predates_wide(niah['meta'], name, f'{name}@{L}')}"
+                             if n and L in n["by_length"] else "–")
             cells.append(f"**{n['hits']}/{n['n']}**" if n else "–")
             long_bits = [b for L, b in n["bits"] if L == lengths[-1]] if n else []
             cells.append(fmt(sum(long_bits) / len(long_bits), 3) if long_bits else "–")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    if any(predates_wide(m, "oscar") for m in [meta] + ([niah["meta"]] if niah else [])) or (
+            niah and any(predates_wide(niah["meta"], "oscar", f"oscar@{L}") for L in lengths)):
+        lines += [STALE_NOTE, ""]
     lines.append(f"Perplexity: {d['sequences']} × {d['sequence_length']} tokens of {d['source']}; the first "
                  f"{d['context']} tokens of each sequence go into the cache, the rest is scored in chunks of {d['chunk']} "
                  f"({d['scored_tokens']} scored tokens in all). Windows: {meta['windows']}. bits/elem: bytes the "
@@ -264,11 +289,23 @@ def layout_section() -> list[str]:
             for m in HEADLINE:
                 r = res.get(m)
                 cells.append("–" if r is None else fmt(r["perplexity"]) if m == "bf16" else
-                             f"{fmt(r['perplexity'])} ({100 * (r['perplexity'] / bf16 - 1):+.1f}%)")
+                             f"{fmt(r['perplexity'])}{predates_wide(ppl['meta'], m)} "
+                             f"({100 * (r['perplexity'] / bf16 - 1):+.1f}%)")
             out.append(f"| {model} | {domain} | " + " | ".join(cells) + " |")
         out += ["", "(Perplexity through the cache, the protocol of the main tables; in brackets the change against "
                 "BF16 on the same text.) Commands and provenance are in each model's section below and in the JSON "
-                "files `ppl.json`, `ppl_python.json`, `ppl_shakespeare.json`.", ""]
+                "files `ppl.json`, `ppl_python.json`, `ppl_shakespeare.json`. " + STALE_NOTE, ""]
+        wide = []
+        for model in models():  # the newest calibration record of this model's default rotations that names them
+            cals = [data["meta"].get("calibration", {}).get("oscar", {})
+                    for stage in ("ppl", "ppl_python", "ppl_shakespeare", "niah", "niah_python", "niah4")
+                    for data in [load(model, stage)] if data]
+            cal = next((c for c in cals if "wide_heads" in c), None)
+            if cal:
+                wide.append((model, cal["wide_heads"], cal["kv_heads"]))
+        if wide:
+            out += ["Wide heads the default calibration picked: " + "; ".join(
+                f"{model} {len(heads)} of {n} KV heads" for model, heads, n in wide) + ".", ""]
     bits = ["| layout | history bits, head_dim 64 / 128 | all bits at 8K, d=64 / d=128 | at 32K, d=128 | at 128K, d=128 |",
             "|---|---|---|---|---|"]
     for m in ("oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"):
@@ -295,6 +332,7 @@ def layout_section() -> list[str]:
             table = niah_table(data["results"])
             for L in sorted({r["length"] for r in data["results"]}):
                 cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
+                         f"{predates_wide(data['meta'], m, f'{m}@{L}')}"
                          if m in table and L in table[m]["by_length"] else "–" for m in HEADLINE]
                 out.append(f"| {model} | {label} | {L} | " + " | ".join(cells) + " |")
         levers = [(model, label, m, L, table[m]["by_length"][L], table.get("bf16", {}).get("by_length", {}).get(L))
@@ -308,7 +346,7 @@ def layout_section() -> list[str]:
         out += ["", "Trials: seeded depths × seeds per length (`oscar-hf eval niah --lengths ... --depths ... --seeds "
                 "...`; `--needles 4`: four needles of the same pattern with different names and numbers, one asked "
                 "for); the haystack is prefilled once in BF16 and each method's cache is built from it; the question "
-                "runs through the cache. Commands in each JSON's meta.", ""]
+                "runs through the cache. Commands in each JSON's meta. " + STALE_NOTE, ""]
     for model in models():
         data = load(model, "format_ppl")
         if not data:
@@ -321,7 +359,8 @@ def layout_section() -> list[str]:
             if name in res:
                 r = res[name]
                 change = f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%" if bf16 else "–"
-                out.append(f"| `{name}` | {meta['methods'][name]['label']} | {fmt(r['perplexity'])} | {change} | "
+                out.append(f"| `{name}` | {meta['methods'][name]['label']} | {fmt(r['perplexity'])}"
+                           f"{predates_wide(meta, name)} | {change} | "
                            f"{fmt(meta['methods'][name]['history_bits'], 3)} |")
         out += ["", f"Provenance: {provenance(meta)}", ""]
     return out
@@ -593,10 +632,12 @@ def main(argv=None) -> None:
                "| method | " + " | ".join(all_ppl) + " |", "|---|" + "---|" * len(all_ppl)]
     for name in MAIN:
         if any(name in d["results"] for d in all_ppl.values()):
-            cells = [fmt(d["results"][name]["perplexity"]) + f" ({fmt(d['results'][name]['bits']['bits_per_element'], 2)} b)"
+            cells = [fmt(d["results"][name]["perplexity"]) + predates_wide(d["meta"], name)
+                     + f" ({fmt(d['results'][name]['bits']['bits_per_element'], 2)} b)"
                      if name in d["results"] else "–" for d in all_ppl.values()]
             summary.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences.)", ""]
+    summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences. "
+                + STALE_NOTE + ")", ""]
     notes = notes_path.read_text().splitlines() if notes_path.is_file() else []
     text = head + layout_section() + summary + body + centering_section() + closing_note(all_ppl, all_niah, ablations) + paper_comparison(ablations, all_ppl) + notes
     (EVAL / "RESULTS.md").write_text("\n".join(text) + "\n")

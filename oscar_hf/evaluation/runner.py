@@ -139,7 +139,10 @@ class Session:
                          "tokens": cal.get("tokens"), "heldout_tokens": cal.get("heldout_tokens"),
                          "seconds": cal.get("seconds"), "method": rot.metadata.get("method"),
                          "mean_key_clip": sum(kc.values()) / len(kc) if kc else None,
-                         "mean_value_clip": sum(vc.values()) / len(vc) if vc else None}
+                         "mean_value_clip": sum(vc.values()) / len(vc) if vc else None,
+                         # the file's wide heads (a method that does not take them, `oscar-no-wide`, still lists them)
+                         "wide_heads": [list(pair) for pair in rot.wide_heads],
+                         "kv_heads": sum(len(rot.key_rotations[layer]) for layer in rot.layers)}
         return out
 
     # ------------------------------------------------------------------ output
