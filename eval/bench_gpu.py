@@ -182,6 +182,16 @@ def bytes_read(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ sections
+def joined_codes(planes: torch.Tensor, wide: list[int]) -> torch.Tensor:
+    """Unpacked 2-bit rows `[B, H + U, L, d]` -> each KV head's codes `[B, H, L, d]`, a wide head's as 4·high + low."""
+    heads = planes.shape[1] - sum(r >= 0 for r in wide)
+    codes = planes[:, :heads].clone()
+    for h, r in enumerate(wide):
+        if r >= 0:
+            codes[:, h] = planes[:, h] * 4 + planes[:, r]
+    return codes
+
+
 def section_check(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
     from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
@@ -243,7 +253,8 @@ def section_check(device, quick):
             outs.append((codes, meta))
         from oscar_hf.quant import unpack_2bit_u8
 
-        a, r = (unpack_2bit_u8(o[0][:, :, start:]).int() for o in outs)
+        # compare whole codes: a wide head's 4-bit code off by one can flip both of its 2-bit planes
+        a, r = (joined_codes(unpack_2bit_u8(o[0][:, :, start:]).int(), wide) for o in outs)
         differ = (a != r).float().mean().item()
         written_meta = outs[1][1][:, 1:] if chunk else outs[1][1][:, :, start:]
         written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(written_meta).any())

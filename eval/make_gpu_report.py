@@ -347,11 +347,12 @@ def main(argv=None):
         "",
         *(generate_section(gen, str(gen_path.relative_to(HERE.parent)) if gen_path.is_relative_to(HERE.parent) else str(gen_path))
           if gen else []),
-        "The sections below are kernel-level (`eval/bench_gpu.py`). Checks, decode attention and quantization are of the "
-        "current kernels on the current storage format (rotation format 4: channel-wise keys in 128-token chunks, each KV "
-        "head in blocks of 32, 64 or 128 tokens; `eval/KERNEL_NOTES.md`; each run's command in the list above); the "
-        "launch sweep (tune) is of kernel v6 on format 3, and the model-level sections (e2e, memory, budget) were measured "
-        "by earlier calls, with the v4 kernel and the token-wise key layout.",
+        "The sections below are kernel-level (`eval/bench_gpu.py`). The checks are of the current kernels on the current "
+        "storage format (rotation format 5: channel-wise keys in 128-token chunks, each KV head in blocks of 32, 64 or 128 "
+        "tokens, and wide heads, the KV heads that retrieve by content, at 4 bits as two 2-bit planes; "
+        "`eval/KERNEL_NOTES.md`; each run's command in the list above); decode attention and quantization timings are of "
+        "format 4 (no wide heads); the launch sweep (tune) is of kernel v6 on format 3, and the model-level sections (e2e, "
+        "memory, budget) were measured by earlier calls, with the v4 kernel and the token-wise key layout.",
         "",
         "## Targets",
         "",

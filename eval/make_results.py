@@ -64,10 +64,15 @@ STALE_NOTE = (f"{STALE} measured before wide heads, with the previous default (w
               "budget) the two are the same cache.")
 
 
-def predates_wide(meta: dict, name: str, cell: str | None = None) -> str:
-    """STALE when the `oscar` result (of per-trial `cell` "oscar@length", if given) was measured before wide heads."""
+def predates_wide(meta: dict, name: str, cell: str | None = None, records: list[dict] | None = None) -> str:
+    """STALE when the `oscar` result (of per-trial `cell` "oscar@length", if given) was measured before wide heads.
+    A cell whose trials all carry their run's date (runs since 2026-12-04; a cell may gather several runs) is judged
+    by its oldest trial."""
     if name != "oscar":
         return ""
+    trials = [r for r in records or () if f"{r['method']}@{r['length']}" == cell]
+    if trials and all("date" in r for r in trials):
+        return STALE if min(r["date"] for r in trials) < WIDE_HEADS_SINCE else ""
     cells = (meta.get("carried_over") or {}).get("cells")
     if cell is not None and isinstance(cells, dict) and cell in cells:
         return STALE if cells[cell]["date"] < WIDE_HEADS_SINCE else ""
@@ -207,7 +212,7 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
         if lengths:
             n = niah_acc.get(name)
             for L in lengths:
-                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}{predates_wide(niah['meta'], name, f'{name}@{L}')}"
+                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}{predates_wide(niah['meta'], name, f'{name}@{L}', niah['results'])}"
                              if n and L in n["by_length"] else "–")
             cells.append(f"**{n['hits']}/{n['n']}**" if n else "–")
             long_bits = [b for L, b in n["bits"] if L == lengths[-1]] if n else []
@@ -215,7 +220,7 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if any(predates_wide(m, "oscar") for m in [meta] + ([niah["meta"]] if niah else [])) or (
-            niah and any(predates_wide(niah["meta"], "oscar", f"oscar@{L}") for L in lengths)):
+            niah and any(predates_wide(niah["meta"], "oscar", f"oscar@{L}", niah["results"]) for L in lengths)):
         lines += [STALE_NOTE, ""]
     lines.append(f"Perplexity: {d['sequences']} × {d['sequence_length']} tokens of {d['source']}; the first "
                  f"{d['context']} tokens of each sequence go into the cache, the rest is scored in chunks of {d['chunk']} "
@@ -332,7 +337,7 @@ def layout_section() -> list[str]:
             table = niah_table(data["results"])
             for L in sorted({r["length"] for r in data["results"]}):
                 cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
-                         f"{predates_wide(data['meta'], m, f'{m}@{L}')}"
+                         f"{predates_wide(data['meta'], m, f'{m}@{L}', data['results'])}"
                          if m in table and L in table[m]["by_length"] else "–" for m in HEADLINE]
                 out.append(f"| {model} | {label} | {L} | " + " | ".join(cells) + " |")
         levers = [(model, label, m, L, table[m]["by_length"][L], table.get("bf16", {}).get("by_length", {}).get(L))

@@ -11,7 +11,7 @@ from oscar_hf.cli import main as cli_main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_eval_stages_and_results_page(tmp_path, monkeypatch):
+def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     def main(args):  # as from the command line: the result files record the command
         monkeypatch.setattr(sys, "argv", ["oscar-hf", *args])
         return cli_main(args)
@@ -35,6 +35,13 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch):
     assert ppl["results"]["naive-int2"]["bits"]["bits_per_element"] < ppl["results"]["bf16"]["bits"]["bits_per_element"]
     niah = json.loads((out / "tiny" / "niah.json").read_text())
     assert {r["method"] for r in niah["results"]} == set(methods.split(","))
+    assert {r["date"] for r in niah["results"]} == {niah["meta"]["date"]}  # each trial names its run
+    # a run on other text or another number of sequences does not add its rows to the file: refused, file untouched
+    before = (out / "tiny" / "ppl.json").read_text()
+    capsys.readouterr()
+    assert main(["eval", "ppl", *common, "--methods", "bf16", "--sequences", "2", "--length", "448",
+                 "--context", "256", "--chunk", "64"]) == 2
+    assert "sequences=1" in capsys.readouterr().err and (out / "tiny" / "ppl.json").read_text() == before
     # a run at another length adds its cells and keeps the earlier ones, with their provenance
     assert main(["eval", "niah", *common, "--methods", "bf16,oscar", "--lengths", "400", "--depths", "0.5",
                  "--max-new-tokens", "3"]) == 0

@@ -174,6 +174,9 @@ class Session:
     # ------------------------------------------------------------------ stages
     def perplexity(self, methods: dict[str, Method], stage: str = "ppl", sequences: int = 3, length: int = 2048,
                    context: int = 512, chunk: int = 128) -> Path:
+        protocol = {**self.eval_data, "sequences": sequences, "sequence_length": length, "context": context,
+                    "chunk": chunk}
+        check_same_protocol(self.output / f"{stage}{self.suffix}.json", protocol, PPL_PROTOCOL)
         seqs = token_sequences(self.tokenizer, self.eval_docs, length, sequences)
         rotations = self.rotations(methods)
         results = {}
@@ -189,8 +192,7 @@ class Session:
             results[name] = {**ppl, "bits": cache_bits(caches[-1]), "seconds": round(time.perf_counter() - start, 1)}
             print(f"[{self.info['name']}] {stage} {name:20s} ppl {ppl['perplexity']:8.3f}  bits "
                   f"{results[name]['bits']['bits_per_element']:.3f}  ({results[name]['seconds']} s)", flush=True)
-        data = {**self.eval_data, "sequences": sequences, "sequence_length": length, "context": context, "chunk": chunk,
-                "scored_tokens": results[next(iter(results))]["tokens"]}
+        data = {**protocol, "scored_tokens": results[next(iter(results))]["tokens"]}
         meta = self.meta(stage, methods, {"data": data, "calibration": self.calibration_meta(rotations),
                                           "protocol": "oscar_hf.metrics.perplexity: context prefilled into the cache, "
                                                       "the rest scored in chunks against the stored history"})
@@ -199,25 +201,27 @@ class Session:
     def niah(self, methods: dict[str, Method], lengths, depths, seeds, max_new_tokens: int = 8, needles: int = 1) -> Path:
         from .niah import make_trial, run_trial
 
+        stage = "niah" if needles == 1 else f"niah{needles}"
+        protocol = {**self.eval_data, "haystack": True, "max_new_tokens": max_new_tokens, "needles": needles,
+                    "scoring": "first number of the greedy answer == key"}
+        check_same_protocol(self.output / f"{stage}{self.suffix}.json", protocol, NIAH_PROTOCOL)
         rotations = self.rotations(methods)
         records = []
         path = None
+        run_date = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         for length in lengths:
             for depth in depths:
                 for seed in seeds:
                     trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed, needles)
                     rows = run_trial(self.model, self.tokenizer, trial, methods, rotations, max_new_tokens)
-                    records.extend(rows)
+                    records.extend({**row, "date": run_date} for row in rows)  # a cell may gather several runs' trials
                     hits = " ".join(f"{r['method']}={'Y' if r['hit'] else 'n'}" for r in rows)
                     print(f"[{self.info['name']}] niah{needles if needles > 1 else ''} L={length} depth={depth} seed={seed} prefill "
                           f"{rows[0]['prefill_seconds']} s: {hits}", flush=True)
                 # written after every (length, depth): a long run leaves partial results behind
-                stage = "niah" if needles == 1 else f"niah{needles}"
                 meta = self.meta(stage, methods, {
-                    "data": {**self.eval_data, "haystack": True,
-                             "lengths": list(lengths), "depths": list(depths), "seeds": list(seeds),
-                             "max_new_tokens": max_new_tokens, "needles": needles,
-                             "scoring": "first number of the greedy answer == key"},
+                    "date": run_date,  # the run's start, as its trials record it
+                    "data": {**protocol, "lengths": list(lengths), "depths": list(depths), "seeds": list(seeds)},
                     "calibration": self.calibration_meta(rotations),
                     "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
                                 "with cache.update; question fed through the cache; greedy answer"})
@@ -272,6 +276,25 @@ class Session:
         meta = self.meta("diagnostics", methods, {"data": {"source": "evaluation essays", "sequences": sequences,
                                                            "context": context, "chunk": chunk, "offset_tokens": 50000}})
         return self.write("diagnostics", meta, results)
+
+
+# What makes two runs' numbers comparable: a run adds to a result file only when these match the file's.
+PPL_PROTOCOL = ("domain", "source", "sequences", "sequence_length", "context", "chunk")
+NIAH_PROTOCOL = ("domain", "source", "max_new_tokens", "needles", "scoring")
+
+
+def check_same_protocol(path: Path, data: dict, keys: tuple[str, ...]) -> None:
+    """Refuses (before anything is measured) to add results to a file measured under another protocol: its table
+    would compare numbers from different texts as if they were one experiment."""
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text()).get("meta", {}).get("data", {})
+    differ = [k for k in keys if k in old and k in data and old[k] != data[k]]
+    if differ:
+        raise ValueError(f"{path} holds results measured with "
+                         + ", ".join(f"{k}={old[k]!r}" for k in differ) + "; this run has "
+                         + ", ".join(f"{k}={data[k]!r}" for k in differ)
+                         + ": run with the file's settings, or write elsewhere with --output")
 
 
 def _carried_over(old: dict, measured: set[str]) -> dict:
