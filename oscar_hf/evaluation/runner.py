@@ -156,10 +156,14 @@ class Session:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra,
         }
 
+    def result_path(self, stage: str) -> Path:
+        """`<output>/<model>/<stage>[_domain].json`."""
+        return self.output / f"{stage}{self.suffix}.json"
+
     def write(self, stage: str, meta: dict, results, merge: bool = False) -> Path:
         """Writes `<output>/<model>/<stage>[_domain].json`. With `merge` (per-method results), methods of an earlier
         file that this run did not measure are kept, each with the provenance of the run that measured it."""
-        path = self.output / f"{stage}{self.suffix}.json"
+        path = self.result_path(stage)
         if merge and path.is_file():
             old = json.loads(path.read_text())
             kept = _carried_over(old, set(results))
@@ -176,7 +180,7 @@ class Session:
                    context: int = 512, chunk: int = 128) -> Path:
         protocol = {**self.eval_data, "sequences": sequences, "sequence_length": length, "context": context,
                     "chunk": chunk}
-        check_same_protocol(self.output / f"{stage}{self.suffix}.json", protocol, PPL_PROTOCOL)
+        check_same_protocol(self.result_path(stage), protocol, PPL_PROTOCOL)
         seqs = token_sequences(self.tokenizer, self.eval_docs, length, sequences)
         rotations = self.rotations(methods)
         results = {}
@@ -204,7 +208,7 @@ class Session:
         stage = "niah" if needles == 1 else f"niah{needles}"
         protocol = {**self.eval_data, "haystack": True, "max_new_tokens": max_new_tokens, "needles": needles,
                     "scoring": "first number of the greedy answer == key"}
-        check_same_protocol(self.output / f"{stage}{self.suffix}.json", protocol, NIAH_PROTOCOL)
+        check_same_protocol(self.result_path(stage), protocol, NIAH_PROTOCOL)
         rotations = self.rotations(methods)
         records = []
         path = None
@@ -232,7 +236,7 @@ class Session:
         """Writes per-trial records; records of an earlier file for trials (method, length, depth, seed) this run
         does not measure are kept, with the provenance of the run that measured them (a 16K run adds to the 4K/8K
         cells; a run of more depths adds trials to a cell; a trial measured again is replaced)."""
-        path = self.output / f"{stage}{self.suffix}.json"
+        path = self.result_path(stage)
         if path.is_file():
             old = json.loads(path.read_text())
             kept, old_methods = _carried_over_records(old, measured)
