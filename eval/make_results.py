@@ -87,6 +87,67 @@ def models() -> list[str]:
     return [m for m in MODEL_ORDER if m in found] + sorted(m for m in found if m not in MODEL_ORDER)
 
 
+NIAH_STAGES = (("niah", "1 needle"), ("niah_python", "1 needle, code haystack"),
+               ("niah_shakespeare", "1 needle, Shakespeare haystack"), ("niah4", "4 needles"),
+               ("niah4_python", "4 needles, code haystack"))
+
+
+def niah_files(root: Path, model: str) -> list[tuple[str, dict]]:
+    """`(variant label, data)` of each NIAH result file of `model` under `root`."""
+    out = []
+    for stage, label in NIAH_STAGES:
+        path = root / model / f"{stage}.json"
+        if path.is_file():
+            out.append((label, normalize(json.loads(path.read_text()))))
+    return out
+
+
+def niah_lines(rows: list[tuple[str, str, dict]], methods: list[str], target: bool = False) -> list[str]:
+    """A hits/trials table, one row per (model, variant, length); with `target`, whether `oscar` is within one hit
+    of `bf16` on the same trials (issue 8's retrieval target)."""
+    out = ["| model | variant | length | " + " | ".join(f"`{m}`" for m in methods) + " |"
+           + (" `oscar` within one hit of `bf16` |" if target else ""),
+           "|---|---|---|" + "---|" * (len(methods) + target)]
+    for model, label, data in rows:
+        table = niah_table(data["results"])
+        for L in sorted({r["length"] for r in data["results"]}):
+            cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
+                     f"{predates_wide(data['meta'], m, f'{m}@{L}', data['results'])}"
+                     if m in table and L in table[m]["by_length"] else "–" for m in methods]
+            if target:
+                hits = {m: table[m]["by_length"][L][0] for m in ("bf16", "oscar") if L in table.get(m, {}).get("by_length", {})}
+                cells.append(("yes" if hits["oscar"] >= hits["bf16"] - 1 else f"**no** ({hits['oscar'] - hits['bf16']})")
+                             if len(hits) == 2 else "–")
+            out.append(f"| {model} | {label} | {L} | " + " | ".join(cells) + " |")
+    return out
+
+
+def gpu_niah_section() -> list[str]:
+    """The NIAH cells re-run on an H200 (`eval/gpu_eval.sh`; results/h200/<model>/niah*.json): every method of a
+    cell measured there on the same trials, so BF16 and OSCAR share the GPU's numerics."""
+    root = RESULTS / "h200"
+    found = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    ordered = [m for m in MODEL_ORDER if m in found] + sorted(m for m in found if m not in MODEL_ORDER)
+    rows = [(model, label, data) for model in ordered for label, data in niah_files(root, model)]
+    if not rows:
+        return []
+    methods = [m for m in HEADLINE if any(m in niah_table(d["results"]) for _, _, d in rows)]
+    commands = sorted({d["meta"]["command"] for _, _, d in rows})
+    gpus = sorted({d["meta"]["machine"].get("gpu") or "?" for _, _, d in rows})
+    versions = sorted({f"torch {d['meta']['versions']['torch']}, transformers {d['meta']['versions']['transformers']}"
+                       for _, _, d in rows})
+    out = ["### Needle retrieval on the GPU, the default with wide heads (same trials, every method re-run there)", "",
+           "The same trials as the table above (same haystacks, needles, depths and seeds), run on "
+           f"{', '.join(gpus)} with the model in bfloat16 and calibration run there with the default options "
+           "(`bash eval/gpu_eval.sh \"niah --model M --lengths ... --depths 0.1,0.3,0.5,0.7,0.9 --seeds 0,1 "
+           "--methods ...\" ...`, the offline models' wheels carried by `eval/ship.py`). A cell's BF16 and OSCAR "
+           "share the GPU's numerics; against the CPU table they show how much a 10-trial cell moves with the "
+           "machine alone.", ""]
+    out += niah_lines(rows, methods, target=True)
+    out += ["", f"Versions: {'; '.join(versions)}. Commands (as recorded): " + "; ".join(f"`{c}`" for c in commands), ""]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ NIAH
 def niah_table(records: list[dict]) -> dict[str, dict]:
     """{method: {"overall": acc, (length): acc, "trials": n}} from NIAH records."""
@@ -321,25 +382,10 @@ def layout_section() -> list[str]:
     out += ["Bits per element each layout stores (16-bit metadata; from the layouts' accounting, "
             "`eval/make_results.py:layout_bits`, which the caches' measured bits in the tables below follow):", ""]
     out += bits + [""]
-    niah_rows = []
-    for model in models():
-        for stage, label in (("niah", "1 needle"), ("niah_python", "1 needle, code haystack"),
-                             ("niah_shakespeare", "1 needle, Shakespeare haystack"), ("niah4", "4 needles"),
-                             ("niah4_python", "4 needles, code haystack")):
-            data = load(model, stage)
-            if data:
-                niah_rows.append((model, label, data))
+    niah_rows = [(model, label, data) for model in models() for label, data in niah_files(RESULTS, model)]
     if niah_rows:
-        out += ["### Needle retrieval (exact 5-digit answer; hits / trials per length)", "",
-                "| model | variant | length | " + " | ".join(f"`{m}`" for m in HEADLINE) + " |",
-                "|---|---|---|" + "---|" * len(HEADLINE)]
-        for model, label, data in niah_rows:
-            table = niah_table(data["results"])
-            for L in sorted({r["length"] for r in data["results"]}):
-                cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
-                         f"{predates_wide(data['meta'], m, f'{m}@{L}', data['results'])}"
-                         if m in table and L in table[m]["by_length"] else "–" for m in HEADLINE]
-                out.append(f"| {model} | {label} | {L} | " + " | ".join(cells) + " |")
+        out += ["### Needle retrieval (exact 5-digit answer; hits / trials per length)", ""]
+        out += niah_lines(niah_rows, HEADLINE)
         levers = [(model, label, m, L, table[m]["by_length"][L], table.get("bf16", {}).get("by_length", {}).get(L))
                   for model, label, data in niah_rows for table in [niah_table(data["results"])]
                   for m in table if m not in HEADLINE for L in sorted(table[m]["by_length"])]
@@ -352,6 +398,7 @@ def layout_section() -> list[str]:
                 "...`; `--needles 4`: four needles of the same pattern with different names and numbers, one asked "
                 "for); the haystack is prefilled once in BF16 and each method's cache is built from it; the question "
                 "runs through the cache. Commands in each JSON's meta. " + STALE_NOTE, ""]
+    out += gpu_niah_section()
     for model in models():
         data = load(model, "format_ppl")
         if not data:

@@ -12,7 +12,6 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_generate_kernel_table(tmp_path):
     """The `kernels` section (per decode step: which kernels a compiled step launches, how long): on the CPU the
     table lists CPU ops, so only its shape is checked here. The `runtime` section (host side of an eager step): its
-    out = tmp_path / "gpu"
     table of runtime calls, on a dynamic cache too (a new one per call: a dynamic cache only grows)."""
     out = tmp_path / "gpu"
     methods = ["oscar-static-eager", "oscar-eager"]

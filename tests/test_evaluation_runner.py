@@ -26,7 +26,7 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     assert main(["eval", "ppl", *common, "--methods", methods, "--sequences", "1", "--length", "448",
                  "--context", "256", "--chunk", "64"]) == 0
     assert main(["eval", "niah", *common, "--methods", methods, "--lengths", "500", "--depths", "0.5",
-                 "--max-new-tokens", "3"]) == 0
+                 "--max-new-tokens", "3", "--device", "cpu"]) == 0
     assert main(["eval", "diagnostics", *common, "--diagnostic-methods", "naive-int2", "--diagnostic-sequences", "1"]) == 0
     ppl = json.loads((out / "tiny" / "ppl.json").read_text())
     assert set(ppl["results"]) == set(methods.split(","))
@@ -36,6 +36,9 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     niah = json.loads((out / "tiny" / "niah.json").read_text())
     assert {r["method"] for r in niah["results"]} == set(methods.split(","))
     assert {r["date"] for r in niah["results"]} == {niah["meta"]["date"]}  # each trial names its run
+    assert niah["meta"]["model"]["device"] == "cpu" and niah["meta"]["machine"]["gpu"] is None
+    (out / "h200" / "tiny").mkdir(parents=True)  # as if re-run on a GPU: the page gets the GPU table beside the CPU one
+    (out / "h200" / "tiny" / "niah.json").write_text((out / "tiny" / "niah.json").read_text())
     # a run on other text or another number of sequences does not add its rows to the file: refused, file untouched
     before = (out / "tiny" / "ppl.json").read_text()
     capsys.readouterr()
@@ -65,3 +68,7 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
                    check=True, cwd=REPO)
     text = (page / "RESULTS.md").read_text()
     assert "## tiny" in text and "`naive-int2`" in text and (page / "plots" / "ppl_vs_method.png").is_file()
+    gpu_table = text.split("### Needle retrieval on the GPU")[1].split("###")[0]
+    hits = {r["method"]: int(r["hit"]) for r in niah["results"]}
+    within = "yes" if hits["oscar"] >= hits["bf16"] - 1 else "**no**"
+    assert f"| tiny | 1 needle | 500 | {hits['bf16']}/1 | {hits['oscar']}/1 |" in gpu_table and within in gpu_table

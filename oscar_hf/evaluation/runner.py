@@ -60,11 +60,13 @@ def versions() -> dict:
 
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.machine(), "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.is_available()}
+            "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def load(model_spec: str, dtype: str = "bfloat16"):
-    """`(model, tokenizer, info)`: an offline model name (see `assets.OFFLINE_MODELS`) or a local folder."""
+def load(model_spec: str, dtype: str = "bfloat16", device: str | None = None):
+    """`(model, tokenizer, info)`: an offline model name (see `assets.OFFLINE_MODELS`) or a local folder, on `device`
+    (default: the CPU)."""
     import oscar_hf  # noqa: F401  (registers the "oscar" attention)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,10 +83,11 @@ def load(model_spec: str, dtype: str = "bfloat16"):
     else:
         path, source = Path(model_spec), {"path": str(Path(model_spec).resolve())}
         name = path.resolve().name
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtypes[dtype], attn_implementation="oscar").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtypes[dtype], attn_implementation="oscar",
+                                                 device_map=device).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     cfg = model.config.get_text_config(decoder=True)
-    info = {"name": name, "source": source, "dtype": dtype, "model_type": cfg.model_type,
+    info = {"name": name, "source": source, "dtype": dtype, "device": str(model.device), "model_type": cfg.model_type,
             "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
             "head_dim": head_dim_of(model), "layer_types": list(getattr(cfg, "layer_types", None) or []),
             "max_position_embeddings": getattr(cfg, "max_position_embeddings", None)}
@@ -96,11 +99,12 @@ class Session:
 
     def __init__(self, model_spec: str, output: str | Path = "eval/results", dtype: str = "bfloat16",
                  calibration_tokens: int = 8192, windows: Windows = Windows(), threads: int | None = None,
-                 calibration_length: int = 2048, domain: str = "essays", progress: bool = False):
+                 calibration_length: int = 2048, domain: str = "essays", progress: bool = False,
+                 device: str | None = None):
         if threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
-        self.model, self.tokenizer, self.info = load(model_spec, dtype)
+        self.model, self.tokenizer, self.info = load(model_spec, dtype, device)
         self.windows = windows
         self.output = Path(output) / self.info["name"]
         self.output.mkdir(parents=True, exist_ok=True)
@@ -408,7 +412,8 @@ def run(args) -> int:
 
         return run_tasks(args)
     session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
-                      args.calibration_length, args.domain, progress=not getattr(args, "quiet", True))
+                      args.calibration_length, args.domain, progress=not getattr(args, "quiet", True),
+                      device=getattr(args, "device", None))
     for stage in stages:
         if stage == "ppl":
             session.perplexity(select(all_methods(windows), args.methods or ",".join(main_methods(windows))),
@@ -448,6 +453,8 @@ def add_eval_arguments(parser) -> None:
                         help="evaluation text (calibration always uses the default essays): results get a _DOMAIN suffix")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
                         help="dtype the model is loaded in (default bfloat16)")
+    parser.add_argument("--device", default=None,
+                        help="where the model runs, e.g. cuda (default: the CPU); recorded in each result's meta")
     parser.add_argument("--methods", default=None, help="comma-separated subset of the main methods (default: all)")
     parser.add_argument("--ablations", default=None, help="comma-separated subset of the ablations (default: all)")
     parser.add_argument("--diagnostic-methods", default="oscar,oscar-ref,naive-int2,hadamard-int2,kivi2,naive-int4",
