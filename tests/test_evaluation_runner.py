@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import char_tokenizer, tiny_model
 from oscar_hf.cli import main as cli_main
 
@@ -45,6 +46,9 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     assert main(["eval", "ppl", *common, "--methods", "bf16", "--sequences", "2", "--length", "448",
                  "--context", "256", "--chunk", "64"]) == 2
     assert "sequences=1" in capsys.readouterr().err and (out / "tiny" / "ppl.json").read_text() == before
+    if not torch.cuda.is_available():  # asking for a GPU that is not there: one line, before any model is loaded
+        assert main(["eval", "niah", *common, "--methods", "bf16", "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
     # a run at another length adds its cells and keeps the earlier ones, with their provenance
     assert main(["eval", "niah", *common, "--methods", "bf16,oscar", "--lengths", "400", "--depths", "0.5",
                  "--max-new-tokens", "3"]) == 0

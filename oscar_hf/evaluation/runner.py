@@ -71,6 +71,8 @@ def load(model_spec: str, dtype: str = "bfloat16", device: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..config import DTYPES as dtypes
+    if device and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch build sees no CUDA device (torch {torch.__version__})")
     name = model_spec.split(":", 1)[1] if model_spec.startswith("offline:") else model_spec
     if name in assets.OFFLINE_MODELS:
         path = assets.model_path(name)
