@@ -25,8 +25,8 @@ LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "
           "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar", "kivi2-g64", "kivi2"]
 
 
-def load(model: str, stage: str):
-    path = RESULTS / model / f"{stage}.json"
+def load(model: str, stage: str, root: Path | None = None):
+    path = (root or RESULTS) / model / f"{stage}.json"
     return normalize(json.loads(path.read_text())) if path.is_file() else None
 
 
@@ -94,12 +94,7 @@ NIAH_STAGES = (("niah", "1 needle"), ("niah_python", "1 needle, code haystack"),
 
 def niah_files(root: Path, model: str) -> list[tuple[str, dict]]:
     """`(variant label, data)` of each NIAH result file of `model` under `root`."""
-    out = []
-    for stage, label in NIAH_STAGES:
-        path = root / model / f"{stage}.json"
-        if path.is_file():
-            out.append((label, normalize(json.loads(path.read_text()))))
-    return out
+    return [(label, data) for stage, label in NIAH_STAGES for data in [load(model, stage, root)] if data]
 
 
 def niah_lines(rows: list[tuple[str, str, dict]], methods: list[str], target: bool = False) -> list[str]:

@@ -14,20 +14,13 @@ whose pieces are there while the others are still on their way.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
 
+from oscar_hf.assets import sha256_file as sha256  # the checksum the offline models' provenance records
+
 MANIFEST = "manifest.json"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def split(files: list[Path], to: Path, piece_bytes: int) -> dict:
