@@ -127,7 +127,11 @@ def gpu_niah_section() -> list[str]:
     if not rows:
         return []
     methods = [m for m in HEADLINE if any(m in niah_table(d["results"]) for _, _, d in rows)]
-    commands = sorted({d["meta"]["command"] for _, _, d in rows})
+    commands = sorted({d["meta"]["command"] for _, _, d in rows}
+                      | {c["command"] for _, _, d in rows
+                         for c in (d["meta"].get("carried_over") or {}).get("cells", {}).values() if c.get("command")})
+    notes = sorted({f"{d['meta']['model']['name']}: {d['meta']['tokenizer_note']}" for _, _, d in rows
+                    if d["meta"].get("tokenizer_note")})
     gpus = sorted({d["meta"]["machine"].get("gpu") or "?" for _, _, d in rows})
     versions = sorted({f"torch {d['meta']['versions']['torch']}, transformers {d['meta']['versions']['transformers']}"
                        for _, _, d in rows})
@@ -139,7 +143,8 @@ def gpu_niah_section() -> list[str]:
            "share the GPU's numerics; against the CPU table they show how much a 10-trial cell moves with the "
            "machine alone.", ""]
     out += niah_lines(rows, methods, target=True)
-    out += ["", f"Versions: {'; '.join(versions)}. Commands (as recorded): " + "; ".join(f"`{c}`" for c in commands), ""]
+    out += ["", f"Versions: {'; '.join(versions)}. Commands (as recorded): " + "; ".join(f"`{c}`" for c in commands)]
+    out += [""] + [f"Note, {n}." for n in notes] + [""] if notes else [""]
     return out
 
 

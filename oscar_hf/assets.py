@@ -178,6 +178,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_tokenizer_merges(tokenizer, gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while it still carries its GGUF quantization config.
     model.hf_quantizer = None
@@ -185,6 +186,22 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
+
+
+MERGE_SAMPLE = "The quick brown fox jumps over the lazy dog, and then the essays follow in their usual order."
+
+
+def check_tokenizer_merges(tokenizer, source: str) -> None:
+    """Refuses a tokenizer that splits plain English into single characters. transformers 5.17 converts Gemma-3's
+    GGUF tokenizer that way (every character one token): the model still loads and answers, wrongly, on every
+    prompt. Any real subword vocabulary needs well under one token per two characters here."""
+    import transformers
+
+    tokens = len(tokenizer(MERGE_SAMPLE, add_special_tokens=False)["input_ids"])
+    if tokens > len(MERGE_SAMPLE) // 2:
+        raise RuntimeError(f"the tokenizer converted from {source} splits text into characters ({tokens} tokens for "
+                           f"{len(MERGE_SAMPLE)} characters) under transformers {transformers.__version__}; "
+                           f"upgrade transformers (5.24 converts it correctly)")
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype=None, attn_implementation: str | None = None, **kwargs):

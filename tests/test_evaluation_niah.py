@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 from conftest import char_tokenizer, tiny_model
 from oscar_hf.evaluation.methods import Windows, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer, make_trial, run_trial
+from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_stream, make_trial, run_trial
 from oscar_hf.metrics import cache_kwarg
 
 DOCS = ["Alpha beta gamma. Delta epsilon zeta! Eta theta iota? " * 30, "Kappa lambda mu. Nu xi omicron. " * 40]
@@ -25,6 +25,9 @@ def test_trials_are_seeded_and_place_the_needle_at_the_depth():
     assert abs(a.needle_token / n - 0.5) < 0.1
     early, late = make_trial(tok, DOCS, 700, 0.1, 0), make_trial(tok, DOCS, 700, 0.9, 0)
     assert early.needle_token < a.needle_token < late.needle_token
+    # a stream tokenized once for many trials (what the runner passes) gives the same trial
+    reused = make_trial(tok, DOCS, 700, 0.5, seed=3, stream=haystack_stream(tok, DOCS))
+    assert reused.key == a.key and torch.equal(reused.haystack_ids, a.haystack_ids)
 
 
 def test_answer_scoring_is_exact_match_on_the_first_number():

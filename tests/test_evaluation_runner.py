@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import char_tokenizer, tiny_model
 from oscar_hf.cli import main as cli_main
@@ -76,3 +77,28 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     hits = {r["method"]: int(r["hit"]) for r in niah["results"]}
     within = "yes" if hits["oscar"] >= hits["bf16"] - 1 else "**no**"
     assert f"| tiny | 1 needle | 500 | {hits['bf16']}/1 | {hits['oscar']}/1 |" in gpu_table and within in gpu_table
+
+
+def _niah_file(path: Path, model: str, trials: list[tuple], command: str) -> Path:
+    results = [{"method": m, "length": n, "depth": d, "seed": s, "hit": h, "bits_per_element": 2.5}
+               for m, n, d, s, h in trials]
+    meta = {"stage": "niah", "model": {"name": model}, "command": command, "date": "d", "versions": {},
+            "methods": {"bf16": {}, "oscar": {"oscar_config": {"key_granularity": "channel"}}},
+            "data": {"domain": "essays", "needles": 1, "lengths": sorted({t[1] for t in trials})}}
+    path.write_text(json.dumps({"meta": meta, "results": results}))
+    return path
+
+
+def test_a_gpu_run_adds_its_trials_to_the_committed_cells(tmp_path):
+    from oscar_hf.evaluation.runner import merge_record_files
+
+    old = _niah_file(tmp_path / "old.json", "m", [("oscar", 8192, 0.1, 0, True), ("oscar", 4096, 0.1, 0, False)], "old run")
+    new = _niah_file(tmp_path / "new.json", "m", [("oscar", 4096, 0.1, 0, True), ("bf16", 4096, 0.1, 0, True)], "new run")
+    merged = merge_record_files(old, new)
+    trials = {(r["method"], r["length"]): r["hit"] for r in merged["results"]}
+    assert trials == {("oscar", 8192): True, ("oscar", 4096): True, ("bf16", 4096): True}  # re-measured trial replaced
+    assert merged["meta"]["carried_over"]["cells"]["oscar@8192"]["command"] == "old run"
+    assert merged["meta"]["data"]["lengths"] == [4096, 8192]
+    other = _niah_file(tmp_path / "other.json", "another-model", [("oscar", 4096, 0.1, 0, True)], "x")
+    with pytest.raises(ValueError, match="not the same cells"):
+        merge_record_files(old, other)

@@ -59,8 +59,17 @@ class Trial:
                 "question_tokens": self.question_ids.shape[1]}
 
 
-def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed: int, needles: int = 1) -> Trial:
+def haystack_stream(tokenizer, documents: list[str]) -> list[int]:
+    """The haystack text as token ids: `documents` joined by blank lines."""
+    return tokenizer("\n\n".join(documents), add_special_tokens=False)["input_ids"]
+
+
+def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed: int, needles: int = 1,
+               stream: list[int] | None = None) -> Trial:
     """A seeded trial of about `length` tokens (haystack + needle + question) with the needle near `depth`.
+
+    `stream`: `haystack_stream(tokenizer, documents)`, when the caller tokenized it once for many trials (the
+    Shakespeare haystack is 2M tokens, seconds per trial).
 
     The haystack text starts at a seed-dependent essay offset, so different seeds use different text and keys.
     With `needles` > 1, every needle reads "The special magic number for NAME is NNNNN" (distinct names and numbers,
@@ -90,7 +99,7 @@ def make_trial(tokenizer, documents: list[str], length: int, depth: float, seed:
     body_tokens = haystack_tokens - len(prefix) - sum(len(n) for n in needle_ids)
     if body_tokens < 16:
         raise ValueError(f"length {length} is too short for a needle and a question")
-    stream = tokenizer("\n\n".join(documents), add_special_tokens=False)["input_ids"]
+    stream = haystack_stream(tokenizer, documents) if stream is None else stream
     if len(stream) < body_tokens:
         raise ValueError(f"the haystack text has {len(stream)} tokens, fewer than the {body_tokens} needed")
     start = rng.randint(0, len(stream) - body_tokens)

@@ -209,7 +209,7 @@ class Session:
         return self.write(stage, meta, results, merge=True)
 
     def niah(self, methods: dict[str, Method], lengths, depths, seeds, max_new_tokens: int = 8, needles: int = 1) -> Path:
-        from .niah import make_trial, run_trial
+        from .niah import haystack_stream, make_trial, run_trial
 
         stage = "niah" if needles == 1 else f"niah{needles}"
         protocol = {**self.eval_data, "haystack": True, "max_new_tokens": max_new_tokens, "needles": needles,
@@ -219,10 +219,11 @@ class Session:
         records = []
         path = None
         run_date = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        stream = haystack_stream(self.tokenizer, self.eval_docs)
         for length in lengths:
             for depth in depths:
                 for seed in seeds:
-                    trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed, needles)
+                    trial = make_trial(self.tokenizer, self.eval_docs, length, depth, seed, needles, stream)
                     rows = run_trial(self.model, self.tokenizer, trial, methods, rotations, max_new_tokens)
                     records.extend({**row, "date": run_date} for row in rows)  # a cell may gather several runs' trials
                     hits = " ".join(f"{r['method']}={'Y' if r['hit'] else 'n'}" for r in rows)
@@ -243,21 +244,11 @@ class Session:
         does not measure are kept, with the provenance of the run that measured them (a 16K run adds to the 4K/8K
         cells; a run of more depths adds trials to a cell; a trial measured again is replaced)."""
         path = self.result_path(stage)
-        if path.is_file():
-            old = json.loads(path.read_text())
-            kept, old_methods = _carried_over_records(old, measured)
-            if kept:
-                records = kept + records
-                meta["methods"] = {**{r["method"]: old_methods[r["method"]] for r in kept if r["method"] in old_methods},
-                                   **meta["methods"]}
-                meta["carried_over"] = {"cells": {cell: _cell_provenance(old["meta"], cell)
-                                                  for cell in sorted({_cell(r) for r in kept})}}
-                data = meta.get("data", {})
-                if "lengths" in data:
-                    data["lengths"] = sorted({r["length"] for r in records})
-        path.write_text(json.dumps({"meta": meta, "results": records}, indent=1, default=_jsonable))
+        old = json.loads(path.read_text()) if path.is_file() else None
+        path.write_text(json.dumps(merge_records(old, meta, records, measured), indent=1, default=_jsonable))
         print(f"wrote {path}", flush=True)
         return path
+
 
     def centering(self, methods: dict[str, Method], **ppl) -> Path:
         """The key-centering experiment: perplexity (`centering_ppl.json`) and key diagnostic (`centering_keys.json`)."""
@@ -292,6 +283,33 @@ class Session:
 PPL_PROTOCOL = ("domain", "source", "sequences", "sequence_length", "context", "chunk")
 NIAH_PROTOCOL = ("domain", "source", "max_new_tokens", "needles", "scoring")
 
+
+def merge_records(old: dict | None, meta: dict, records: list[dict], measured: set[tuple]) -> dict:
+    """A per-trial result file: `records` (this run's, with its `meta`) after the records of the `old` file whose
+    trials this run did not measure, each cell keeping the provenance of the run that measured it."""
+    meta = dict(meta)
+    if old is not None:
+        kept, old_methods = _carried_over_records(old, measured)
+        if kept:
+            records = kept + records
+            meta["methods"] = {**{r["method"]: old_methods[r["method"]] for r in kept if r["method"] in old_methods},
+                               **meta["methods"]}
+            meta["carried_over"] = {"cells": {cell: _cell_provenance(old["meta"], cell)
+                                              for cell in sorted({_cell(r) for r in kept})}}
+            if "lengths" in meta.get("data", {}):
+                meta["data"] = {**meta["data"], "lengths": sorted({r["length"] for r in records})}
+    return {"meta": meta, "results": records}
+
+
+def merge_record_files(older: Path, newer: Path) -> dict:
+    """`newer`'s trials added to `older`'s (e.g. a GPU run's file to the committed one); the same protocol only."""
+    old, new = json.loads(older.read_text()), json.loads(newer.read_text())
+    check_same_protocol(older, new["meta"].get("data", {}), NIAH_PROTOCOL)
+    cells = [(m["meta"].get("model", {}).get("name"), m["meta"].get("stage")) for m in (old, new)]
+    if cells[0] != cells[1]:
+        raise ValueError(f"{newer} holds {'/'.join(map(str, cells[1]))}, {older} {'/'.join(map(str, cells[0]))}: "
+                         "not the same cells")
+    return merge_records(old, new["meta"], new["results"], {_trial_key(r) for r in new["results"]})
 
 def check_same_protocol(path: Path, data: dict, keys: tuple[str, ...]) -> None:
     """Refuses (before anything is measured) to add results to a file measured under another protocol: its table
