@@ -22,7 +22,8 @@ DOMAINS = {"": "essays (in-domain)", "_python": "Python code", "_shakespeare": "
 # the default against itself without wide heads, the paper layout and KIVI-2
 HEADLINE = ["bf16", "oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"]
 LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "oscar-ch-id", "oscar-ch-auto",
-          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar", "kivi2-g64", "kivi2"]
+          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar", "oscar-h-keys",
+          "oscar-hpref2", "kivi2-g64", "kivi2"]
 
 
 def load(model: str, stage: str, root: Path | None = None):
@@ -405,17 +406,41 @@ def layout_section() -> list[str]:
             continue
         res, meta = data["results"], data["meta"]
         bf16 = res.get("bf16", {}).get("perplexity")
-        out += [f"### The levers one at a time on `{model}` (perplexity through the cache)", "",
-                "| variant | what changes | PPL | vs BF16 | history bits |", "|---|---|---|---|---|"]
-        for name in LEVERS:
+        needles = lever_needles(model)
+        title = "perplexity through the cache" + (f", and needle hits at {LEVER_NIAH_LENGTH} tokens" if needles else "")
+        header = "| variant | what changes | PPL | vs BF16 | history bits |" + (" needles |" if needles else "")
+        out += [f"### The levers one at a time on `{model}` ({title})", "", header,
+                "|---|---|---|---|---|" + ("---|" if needles else "")]
+        for name in ["bf16"] * bool(needles) + LEVERS:
             if name in res:
                 r = res[name]
-                change = f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%" if bf16 else "–"
-                out.append(f"| `{name}` | {meta['methods'][name]['label']} | {fmt(r['perplexity'])}"
-                           f"{predates_wide(meta, name)} | {change} | "
-                           f"{fmt(meta['methods'][name]['history_bits'], 3)} |")
-        out += ["", f"Provenance: {provenance(meta)}", ""]
+                change = "–" if name == "bf16" or not bf16 else f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%"
+                label = meta["methods"][name]["label"] if name != "bf16" else "no quantization"
+                bits = fmt(meta["methods"][name]["history_bits"], 3) if name != "bf16" else "16"
+                out.append(f"| `{name}` | {label} | {fmt(r['perplexity'])}{predates_wide(meta, name)} | {change} | "
+                           f"{bits} |" + (f" {needles.get(name, '–')} |" if needles else ""))
+        out += ["", f"Provenance: {provenance(meta)}"]
+        if needles:
+            out += ["", f"Needles: the essay haystack at {LEVER_NIAH_LENGTH} tokens, the trials of the needle table "
+                    f"above (hits / trials; `niah.json`, commands in its meta)."]
+        out += [""]
     return out
+
+
+LEVER_NIAH_LENGTH = 4096
+
+
+def lever_needles(model: str) -> dict[str, str]:
+    """{method: "hits/trials"} of the essay needles at LEVER_NIAH_LENGTH for the lever rows measured there; empty
+    unless some lever besides the default has trials (the column would say nothing)."""
+    data = load(model, "niah")
+    if not data:
+        return {}
+    table, cell = niah_table(data["results"]), f"oscar@{LEVER_NIAH_LENGTH}"
+    out = {m: f"{t['by_length'][LEVER_NIAH_LENGTH][0]}/{t['by_length'][LEVER_NIAH_LENGTH][1]}"
+              f"{predates_wide(data['meta'], m, cell, data['results'])}"
+           for m, t in table.items() if LEVER_NIAH_LENGTH in t["by_length"]}
+    return out if len(set(out) & set(LEVERS) - {"oscar", "kivi2-g64"}) >= 3 else {}
 
 
 def ablation_section(model: str, data: dict) -> list[str]:

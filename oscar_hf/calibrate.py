@@ -339,11 +339,12 @@ def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0) -
 
 
 def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torch.Tensor],
-                     per_head: bool = True) -> tuple[torch.Tensor, list[str]]:
+                     per_head: bool = True, hadamard_preference: float = 1.0) -> tuple[torch.Tensor, list[str]]:
     """Per KV head (or for the whole layer, summing the heads' errors, when rotations are shared per layer), the
-    candidate with the lowest error (ties to the earlier candidate); returns `([H, d, d], names per head)`."""
+    candidate with the lowest error (ties to the earlier candidate), the data-free "hadamard" candidate's error
+    divided by `hadamard_preference` first; returns `([H, d, d], names per head)`."""
     names = list(candidates)
-    table = torch.stack([errors[n] for n in names])  # [candidates, H]
+    table = torch.stack([errors[n] / (hadamard_preference if n == "hadamard" else 1.0) for n in names])  # [candidates, H]
     if not per_head:
         table = table.sum(1, keepdim=True).expand_as(table)
     best = table.argmin(0).tolist()
@@ -635,7 +636,8 @@ def calibrate(
             if config.choose_key_basis:
                 candidates = key_basis_candidates(key_rotations[layer])
                 errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
-                key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, config.per_head)
+                key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, config.per_head,
+                                                                          config.key_basis_hadamard_preference)
                 key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
             if allocate:
                 block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config)

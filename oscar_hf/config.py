@@ -98,6 +98,8 @@ class OscarConfig:
             data-free H·P, or none — whose quantized keys give the lowest attention-output error on the held-out
             tokens (needs `heldout_tokens`). Channel-wise keys of models with a k_proj bias (Qwen2.5) quantize far
             better unrotated; others gain from the rotation. Default True.
+        key_basis_hadamard_preference: with `choose_key_basis`, the data-free H·P basis is kept unless another
+            basis's held-out error is lower by more than this factor. Default 1.0 (the lowest error wins).
         clip_grid: ratios tried when fitting clips.
         calibration_tokens: tokens whose statistics build the rotations.
         calibration_sequence_length: tokens per calibration forward pass.
@@ -125,6 +127,7 @@ class OscarConfig:
     use_permutation: bool = True
     center_keys: bool = False
     choose_key_basis: bool = True
+    key_basis_hadamard_preference: float = 1.0
     clip_grid: tuple[float, ...] = field(default=DEFAULT_CLIP_GRID)
     calibration_tokens: int = 8192
     calibration_sequence_length: int = 2048
@@ -192,6 +195,9 @@ class OscarConfig:
         check_int("calibration_tokens", 1)
         check_int("calibration_sequence_length", 16)
         check_int("heldout_tokens", 0)
+        if not (isinstance(self.key_basis_hadamard_preference, (int, float))
+                and not isinstance(self.key_basis_hadamard_preference, bool) and self.key_basis_hadamard_preference >= 1):
+            fail("key_basis_hadamard_preference", "must be a number >= 1")
 
     def check_head_dim(self, head_dim: int) -> None:
         """Checks the fields that depend on the model's head_dim."""

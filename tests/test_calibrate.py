@@ -174,6 +174,11 @@ def test_the_key_basis_choice_keeps_the_basis_with_the_lower_heldout_error():
     assert names[0] == "identity" and torch.equal(rotation[0], candidates["identity"][0])
     shared, shared_names = choose_key_basis(candidates, errors, per_head=False)
     assert shared_names[0] == shared_names[1] and torch.equal(shared[0], shared[1])
+    # a preference for the data-free H·P keeps it unless another basis is better by more than the factor
+    ratio = float(errors["hadamard"][0] / min(errors[n][0] for n in errors))
+    _, lenient = choose_key_basis(candidates, errors, hadamard_preference=ratio * 1.01)
+    _, strict = choose_key_basis(candidates, errors, hadamard_preference=ratio * 0.99)
+    assert lenient[0] == "hadamard" and strict[0] == names[0]
 
 
 def test_key_block_allocation_is_the_exact_optimum_within_the_budget():

@@ -43,6 +43,7 @@ def test_allocation_budget_spends_what_cheap_values_leave_at_head_dim_256():
         ("allocation_history_bits", "2.5"),
         ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
         ("scale_dtype", "int8"), ("key_granularity", "row"), ("choose_key_basis", "yes"), ("key_target", "kv"), ("value_target", "sst"), ("per_head", 1), ("center_keys", 1), ("center_keys", "yes"),
+        ("key_basis_hadamard_preference", 0.5), ("key_basis_hadamard_preference", True),
         ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("calibration_tokens", 0), ("heldout_tokens", -3),
     ],
 )

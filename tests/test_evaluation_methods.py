@@ -141,3 +141,12 @@ def test_rotation_store_calibrates_once_and_reuses_statistics(calibrated):
     assert store.statistics is stats and a is not b
     assert store.rotations_for(Method("a2", "a", "oscar", "calibrated", base)) is a
     assert store.rotations_for(Method("n", "n", "oscar", "identity", base)) is None
+
+
+def test_the_key_basis_preference_gets_its_own_calibration_folder():
+    from oscar_hf.evaluation.methods import calibration_key
+
+    base = OscarConfig()
+    assert "preference" not in calibration_key(base)  # folders of earlier calibrations keep their names
+    keys = {calibration_key(base.replace(key_basis_hadamard_preference=p)) for p in (1.0, 2.0, 4.0)}
+    assert len(keys) == 3  # a run with another preference must not reuse these rotations

@@ -242,6 +242,10 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
          b64.replace(choose_key_basis=False, key_target="query")),
         ("oscar-uniform-b64", "the default with key blocks of 64 for every head (no per-head allocation)", b64),
+        ("oscar-h-keys", "the default with keys in the data-free H·P basis for every head (no per-head basis choice)",
+         base.replace(choose_key_basis=False, key_target="hadamard")),
+        ("oscar-hpref2", "the default, the data-free H·P key basis kept unless another's held-out error is 2x lower",
+         base.replace(key_basis_hadamard_preference=2.0)),
         ("oscar-no-wide", "the default without wide heads (every head at 2 bits: the previous default, format 4)",
          base.replace(wide_heads="none")),
         ("oscar-values-g128", "the default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
@@ -285,6 +289,8 @@ def calibration_key(config: OscarConfig) -> str:
         key += f",key_block={config.key_block},key_block_allocation={config.key_block_allocation}"
         if config.key_block_allocation == "fitted":  # its budget (None: the head_dim rule of allocation_key_bits)
             key += f",allocation_history_bits={config.allocation_history_bits}"
+    if config.key_basis_hadamard_preference != 1.0:
+        key += f",key_basis_hadamard_preference={config.key_basis_hadamard_preference}"
     if config.wide_layout and config.wide_heads != "none":
         key += f",wide_heads={config.wide_heads},wide_history_bits={config.wide_history_bits}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest

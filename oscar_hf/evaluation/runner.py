@@ -249,7 +249,6 @@ class Session:
         print(f"wrote {path}", flush=True)
         return path
 
-
     def centering(self, methods: dict[str, Method], **ppl) -> Path:
         """The key-centering experiment: perplexity (`centering_ppl.json`) and key diagnostic (`centering_keys.json`)."""
         path = self.perplexity(methods, stage="centering_ppl", **ppl)
