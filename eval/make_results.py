@@ -145,7 +145,7 @@ def gpu_niah_section() -> list[str]:
            "machine alone.", ""]
     out += niah_lines(rows, methods, target=True)
     out += ["", f"Versions: {'; '.join(versions)}. Commands (as recorded): " + "; ".join(f"`{c}`" for c in commands)]
-    out += [""] + [f"Note, {n}." for n in notes] + [""] if notes else [""]
+    out += [""] + [f"Note, {n}." for n in notes] + ([""] if notes else [])
     return out
 
 
@@ -440,7 +440,7 @@ def lever_needles(model: str) -> dict[str, str]:
     out = {m: f"{t['by_length'][LEVER_NIAH_LENGTH][0]}/{t['by_length'][LEVER_NIAH_LENGTH][1]}"
               f"{predates_wide(data['meta'], m, cell, data['results'])}"
            for m, t in table.items() if LEVER_NIAH_LENGTH in t["by_length"]}
-    return out if len(set(out) & set(LEVERS) - {"oscar", "kivi2-g64"}) >= 3 else {}
+    return out if len(set(out) & (set(LEVERS) - {"oscar", "kivi2-g64"})) >= 3 else {}
 
 
 def ablation_section(model: str, data: dict) -> list[str]:

@@ -344,7 +344,8 @@ def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torc
     candidate with the lowest error (ties to the earlier candidate), the data-free "hadamard" candidate's error
     divided by `hadamard_preference` first; returns `([H, d, d], names per head)`."""
     names = list(candidates)
-    table = torch.stack([errors[n] / (hadamard_preference if n == "hadamard" else 1.0) for n in names])  # [candidates, H]
+    weight = {n: hadamard_preference if n == "hadamard" else 1.0 for n in names}
+    table = torch.stack([errors[n] / weight[n] for n in names])  # [candidates, H]
     if not per_head:
         table = table.sum(1, keepdim=True).expand_as(table)
     best = table.argmin(0).tolist()

@@ -310,6 +310,7 @@ def merge_record_files(older: Path, newer: Path) -> dict:
                          "not the same cells")
     return merge_records(old, new["meta"], new["results"], {_trial_key(r) for r in new["results"]})
 
+
 def check_same_protocol(path: Path, data: dict, keys: tuple[str, ...]) -> None:
     """Refuses (before anything is measured) to add results to a file measured under another protocol: its table
     would compare numbers from different texts as if they were one experiment."""
