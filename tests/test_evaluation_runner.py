@@ -75,7 +75,7 @@ def test_eval_stages_and_results_page(tmp_path, monkeypatch, capsys):
     assert "## tiny" in text and "`naive-int2`" in text and (page / "plots" / "ppl_vs_method.png").is_file()
     gpu_table = text.split("### Needle retrieval on the GPU")[1].split("###")[0]
     hits = {r["method"]: int(r["hit"]) for r in niah["results"]}
-    within = "yes" if hits["oscar"] >= hits["bf16"] - 1 else "**no**"
+    within = "yes" if (hits["bf16"] - hits["oscar"]) * 10 <= 1 else "**no** (-1 of 1)"  # one hit per ten trials
     assert f"| tiny | 1 needle | 500 | {hits['bf16']}/1 | {hits['oscar']}/1 |" in gpu_table and within in gpu_table
 
 
@@ -102,3 +102,29 @@ def test_a_gpu_run_adds_its_trials_to_the_committed_cells(tmp_path):
     other = _niah_file(tmp_path / "other.json", "another-model", [("oscar", 4096, 0.1, 0, True)], "x")
     with pytest.raises(ValueError, match="not the same cells"):
         merge_record_files(old, other)
+
+
+def _make_results():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_results", REPO / "eval" / "make_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_retrieval_target_counts_one_hit_per_ten_trials_on_shared_trials():
+    mr = _make_results()
+    trials = [(d / 10, s) for d in (1, 3, 5, 7, 9) for s in range(4)]  # 20 trials
+    rec = lambda m, hits: [{"method": m, "length": 4096, "depth": d, "seed": s, "hit": i < hits}
+                           for i, (d, s) in enumerate(trials)]
+    assert mr.within_one_hit(rec("bf16", 19) + rec("oscar", 17), 4096) == "yes"  # 2 behind in 20
+    assert mr.within_one_hit(rec("bf16", 20) + rec("oscar", 17), 4096) == "**no** (-3 of 20)"
+    # counted on the trials both measured: bf16's misses on seeds oscar did not run do not count for oscar
+    first_seeds = [dict(r, hit=r["seed"] < 2) for r in rec("bf16", 0)]  # bf16: seeds 0-1 hit, 2-3 miss
+    oscar = [dict(r, method="oscar", hit=r["depth"] != 0.1) for r in first_seeds if r["seed"] < 2]  # 8 of 10
+    assert mr.within_one_hit(first_seeds + oscar, 4096) == "**no** (-2 of 10)"
+    assert mr.within_one_hit(rec("bf16", 20), 4096) == "–"
+    variant = [dict(r, method="oscar-ch-h", hit=r["seed"] == 0) for r in first_seeds if r["seed"] < 2]
+    lines = mr.variant_lines([("m", "1 needle", {"results": first_seeds + oscar + variant})], ["bf16", "oscar"])
+    assert lines[2] == "| m | 1 needle | 4096 | `oscar-ch-h` | 5/10 | 10/10 | 8/10 |"
