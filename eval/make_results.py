@@ -137,12 +137,17 @@ def niah_lines(rows: list[tuple[str, str, dict]], methods: list[str], target: bo
     return out
 
 
+def lever_order(method: str) -> tuple:
+    """LEVERS' order first, then the other methods by name (a stable page from run to run)."""
+    return (LEVERS.index(method), "") if method in LEVERS else (len(LEVERS), method)
+
+
 def variant_lines(rows: list[tuple[str, str, dict]], headline: list[str]) -> list[str]:
     """The methods of `rows` outside `headline`, each beside `bf16` and `oscar` on the same trials."""
     out = []
     for model, label, data in rows:
         records = data["results"]
-        for m in sorted({r["method"] for r in records} - set(headline), key=lambda m: (LEVERS + [m]).index(m)):
+        for m in sorted({r["method"] for r in records} - set(headline), key=lever_order):
             for L in sorted({r["length"] for r in records if r["method"] == m}):
                 trials = trials_of(records, m, L)
                 same = [hits_on_trials(records, b, L, trials) for b in ("bf16", "oscar")]
@@ -463,29 +468,30 @@ def layout_section() -> list[str]:
     return out
 
 
-# Needle columns of the lever tables: (column, result root, stage, length). A column is shown where some lever
-# besides the default has trials there (otherwise it would say nothing about the levers).
+# Needle columns of the lever tables: (column, folder under the results root, stage, length). A column is shown
+# where some lever besides the default has trials there (otherwise it would say nothing about the levers).
 LEVER_NEEDLE_CELLS = {
-    "smollm2-135m": [("essays 4K", RESULTS, "niah", 4096),
-                     ("essays 4K, H200", RESULTS / "h200", "niah", 4096),
-                     ("code 4K, H200", RESULTS / "h200", "niah_python", 4096),
-                     ("Shakespeare 4K, H200", RESULTS / "h200", "niah_shakespeare", 4096)],
-    "qwen2.5-coder-1.5b": [("essays 4K, H200", RESULTS / "h200", "niah", 4096),
-                           ("4 needles, essays 4K, H200", RESULTS / "h200", "niah4", 4096),
-                           ("4 needles, code 4K, H200", RESULTS / "h200", "niah4_python", 4096)],
+    "smollm2-135m": [("essays 4K", "", "niah", 4096),
+                     ("essays 4K, H200", "h200", "niah", 4096),
+                     ("code 4K, H200", "h200", "niah_python", 4096),
+                     ("Shakespeare 4K, H200", "h200", "niah_shakespeare", 4096)],
+    "qwen2.5-coder-1.5b": [("essays 4K, H200", "h200", "niah", 4096),
+                           ("4 needles, essays 4K, H200", "h200", "niah4", 4096),
+                           ("4 needles, code 4K, H200", "h200", "niah4_python", 4096)],
 }
 
 
 def lever_needle_sources(model: str) -> list[tuple[str, str]]:
-    return [(c, f"{root.relative_to(RESULTS.parent)}/{model}/{stage}.json")
-            for c, root, stage, _ in LEVER_NEEDLE_CELLS.get(model, []) if c in lever_needles(model)]
+    shown = lever_needles(model)
+    return [(c, "/".join(p for p in ("results", folder, model, f"{stage}.json") if p))
+            for c, folder, stage, _ in LEVER_NEEDLE_CELLS.get(model, []) if c in shown]
 
 
 def lever_needles(model: str) -> dict[str, dict[str, str]]:
     """{column: {method: "hits/trials"}} for `model`'s lever table."""
     out = {}
-    for column, root, stage, length in LEVER_NEEDLE_CELLS.get(model, []):
-        data = load(model, stage, root)
+    for column, folder, stage, length in LEVER_NEEDLE_CELLS.get(model, []):
+        data = load(model, stage, RESULTS / folder)
         if not data:
             continue
         table, cell = niah_table(data["results"]), f"oscar@{length}"
