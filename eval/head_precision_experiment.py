@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache
@@ -26,17 +27,50 @@ from transformers import DynamicCache
 from oscar_hf.cache import OscarCache, OscarLayer
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer, make_trial, prefill
+from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_stream, make_trial, prefill
 from oscar_hf.evaluation.runner import Session
 from oscar_hf.metrics import cache_kwarg
 
-MODEL = os.environ.get("MODEL", "smollm2-135m")
-LENGTH = int(os.environ.get("LENGTH", "4096"))
-DEPTHS = [float(x) for x in os.environ.get("DEPTHS", "0.1,0.3,0.5,0.7,0.9").split(",")]
-SEEDS = [int(x) for x in os.environ.get("SEEDS", "0,1").split(",")]
-SETS = os.environ.get("SETS", "none,all,copy:9,copy:18").split(",")
-OUT = os.environ.get("OUT", f"/tmp/head_precision_{MODEL}_{LENGTH}.json")
-DOMAIN = os.environ.get("DOMAIN", "essays")
+ENV_KEYS = ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN")
+
+
+def trial_settings(sets: str, out: str) -> SimpleNamespace:
+    """The settings the NIAH experiment scripts here read from the environment: MODEL, LENGTH, DEPTHS, SEEDS, SETS
+    (default `sets`), DOMAIN, THREADS and OUT (default `out`, formatted with the model and length)."""
+    model, length = os.environ.get("MODEL", "smollm2-135m"), int(os.environ.get("LENGTH", "4096"))
+    return SimpleNamespace(
+        model=model, length=length, domain=os.environ.get("DOMAIN", "essays"),
+        depths=[float(x) for x in os.environ.get("DEPTHS", "0.1,0.3,0.5,0.7,0.9").split(",")],
+        seeds=[int(x) for x in os.environ.get("SEEDS", "0,1").split(",")],
+        sets=os.environ.get("SETS", sets).split(","), threads=int(os.environ.get("THREADS", "2")),
+        out=os.environ.get("OUT", out.format(model=model, length=length)))
+
+
+def hit_summary(records: list[dict], sets: list[str]) -> dict[str, str]:
+    """{set: "hits/trials"} over the records of an experiment run."""
+    return {s: f"{sum(r['hit'] for r in records if r['set'] == s)}/{sum(r['set'] == s for r in records)}" for s in sets}
+
+
+def write_results(out: str, script: str, records: list[dict], sets: list[str], **meta) -> dict[str, str]:
+    """Writes `records` with their summary and the environment that chose them to `out`; returns the summary."""
+    summary = hit_summary(records, sets)
+    json.dump({"meta": {"command": f"python eval/{script}", "env": {k: os.environ.get(k) for k in ENV_KEYS}, **meta},
+               "summary": summary, "results": records}, open(out, "w"), indent=1)
+    return summary
+
+
+def trials(session, settings: SimpleNamespace):
+    """Each (trial, its BF16 prefill) over the settings' depths × seeds, the haystack text tokenized once."""
+    stream = haystack_stream(session.tokenizer, session.eval_docs)
+    for depth in settings.depths:
+        for seed in settings.seeds:
+            trial = make_trial(session.tokenizer, session.eval_docs, settings.length, depth, seed, stream=stream)
+            yield trial, prefill(session.model, trial.haystack_ids)
+
+
+_SETTINGS = trial_settings("none,all,copy:9,copy:18", "/tmp/head_precision_{model}_{length}.json")
+MODEL, LENGTH, DEPTHS, SEEDS = _SETTINGS.model, _SETTINGS.length, _SETTINGS.depths, _SETTINGS.seeds
+SETS, OUT, DOMAIN = _SETTINGS.sets, _SETTINGS.out, _SETTINGS.domain
 
 
 def reconstructed_states(cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -189,14 +223,7 @@ def main() -> int:
                        "hit": answer_matches(text, trial.key)}
                 records.append(rec)
                 print(depth, seed, spec, repr(text), rec["hit"], flush=True)
-    summary = {}
-    for spec in SETS:
-        rs = [r for r in records if r["set"] == spec]
-        summary[spec] = f"{sum(r['hit'] for r in rs)}/{len(rs)}"
-    print(summary)
-    json.dump({"meta": {"command": " ".join(sys.argv), "env": {k: os.environ.get(k) for k in
-               ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN")}, "copy_scores": copy.tolist()},
-               "summary": summary, "results": records}, open(OUT, "w"), indent=1)
+    print(write_results(OUT, "head_precision_experiment.py", records, SETS, copy_scores=copy.tolist()))
     return 0
 
 

@@ -19,27 +19,19 @@ Result in eval/NOTES.md.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
 import torch
 from transformers import DynamicCache
 
-from head_precision_experiment import reconstructed_states
+from head_precision_experiment import reconstructed_states, trial_settings, trials, write_results
 from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_stream, make_trial, prefill
+from oscar_hf.evaluation.niah import answer_matches, greedy_answer
 from oscar_hf.evaluation.runner import Session
 
-MODEL = os.environ.get("MODEL", "smollm2-135m")
-LENGTH = int(os.environ.get("LENGTH", "4096"))
-DEPTHS = [float(x) for x in os.environ.get("DEPTHS", "0.1,0.3,0.5,0.7,0.9").split(",")]
-SEEDS = [int(x) for x in os.environ.get("SEEDS", "0,1").split(",")]
-SETS = os.environ.get("SETS", "none,needle,needle-keys,needle-values,haystack").split(",")
-OUT = os.environ.get("OUT", f"/tmp/needle_tokens_{MODEL}_{LENGTH}.json")
-DOMAIN = os.environ.get("DOMAIN", "essays")
-NEEDLE_TOKENS = int(os.environ.get("NEEDLE_TOKENS", "16"))  # covers "The special magic number for X is NNNNN."
+SETTINGS = trial_settings("none,needle,needle-keys,needle-values,haystack", "/tmp/needle_tokens_{model}_{length}.json")
+NEEDLE_TOKENS = 16  # covers "The special magic number is NNNNN." in the tokenizers here
 
 
 def mixed_cache(model, source: DynamicCache, recon: dict, positions: torch.Tensor, sides: str) -> DynamicCache:
@@ -58,34 +50,25 @@ def mixed_cache(model, source: DynamicCache, recon: dict, positions: torch.Tenso
 
 
 def main() -> int:
-    session = Session(MODEL, output="/tmp/needle_tokens", threads=int(os.environ.get("THREADS", "2")), domain=DOMAIN)
+    session = Session(SETTINGS.model, output="/tmp/needle_tokens", threads=SETTINGS.threads, domain=SETTINGS.domain)
     model, tokenizer = session.model, session.tokenizer
     method = main_methods()["oscar"]
     rotations = session.rotations({"oscar": method})["oscar"]
-    stream = haystack_stream(tokenizer, session.eval_docs)
     records, start = [], time.perf_counter()
-    for depth in DEPTHS:
-        for seed in SEEDS:
-            trial = make_trial(tokenizer, session.eval_docs, LENGTH, depth, seed, stream=stream)
-            source = prefill(model, trial.haystack_ids)
-            recon = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
-            n = trial.haystack_ids.shape[1]
-            needle = torch.zeros(n, dtype=torch.bool)
-            needle[trial.needle_token : trial.needle_token + NEEDLE_TOKENS] = True
-            for spec in SETS:
-                positions, sides = {"none": (needle & False, "kv"), "needle": (needle, "kv"),
-                                    "needle-keys": (needle, "k"), "needle-values": (needle, "v"),
-                                    "haystack": (~needle, "kv")}[spec]
-                tokens = greedy_answer(model, mixed_cache(model, source, recon, positions, sides), trial.question_ids, 8)
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
-                records.append(rec)
-                print(f"{time.perf_counter() - start:.0f}s", depth, seed, spec, repr(text), rec["hit"], flush=True)
-    summary = {s: f"{sum(r['hit'] for r in records if r['set'] == s)}/{sum(r['set'] == s for r in records)}" for s in SETS}
-    print(summary)
-    env = {k: os.environ.get(k) for k in ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN", "NEEDLE_TOKENS")}
-    json.dump({"meta": {"command": "python eval/needle_tokens_experiment.py", "env": env},
-               "summary": summary, "results": records}, open(OUT, "w"), indent=1)
+    for trial, source in trials(session, SETTINGS):
+        recon = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
+        needle = torch.zeros(trial.haystack_ids.shape[1], dtype=torch.bool)
+        needle[trial.needle_token : trial.needle_token + NEEDLE_TOKENS] = True
+        for spec in SETTINGS.sets:
+            positions, sides = {"none": (needle & False, "kv"), "needle": (needle, "kv"), "needle-keys": (needle, "k"),
+                                "needle-values": (needle, "v"), "haystack": (~needle, "kv")}[spec]
+            tokens = greedy_answer(model, mixed_cache(model, source, recon, positions, sides), trial.question_ids, 8)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
+            records.append(rec)
+            print(f"{time.perf_counter() - start:.0f}s", trial.depth, trial.seed, spec, repr(text), rec["hit"], flush=True)
+    print(write_results(SETTINGS.out, "needle_tokens_experiment.py", records, SETTINGS.sets,
+                        needle_tokens=NEEDLE_TOKENS))
     return 0
 
 

@@ -17,28 +17,19 @@ Result in eval/NOTES.md.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
-import torch
 from transformers import DynamicCache
 
-from head_precision_experiment import copy_scores, reconstructed_states, top_heads
+from head_precision_experiment import copy_scores, reconstructed_states, top_heads, trial_settings, trials, write_results
 from oscar_hf.cache import OscarCache
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_stream, make_trial, prefill
+from oscar_hf.evaluation.niah import answer_matches, greedy_answer
 from oscar_hf.evaluation.runner import Session
 
-MODEL = os.environ.get("MODEL", "smollm2-135m")
-LENGTH = int(os.environ.get("LENGTH", "4096"))
-DEPTHS = [float(x) for x in os.environ.get("DEPTHS", "0.1,0.3,0.5,0.7,0.9").split(",")]
-SEEDS = [int(x) for x in os.environ.get("SEEDS", "0,1").split(",")]
-SETS = os.environ.get("SETS", "default,both:11,keys:22,values:22").split(",")
-OUT = os.environ.get("OUT", f"/tmp/wide_sides_{MODEL}_{LENGTH}.json")
-DOMAIN = os.environ.get("DOMAIN", "essays")
+SETTINGS = trial_settings("default,both:11,keys:22,values:22", "/tmp/wide_sides_{model}_{length}.json")
 
 
 def mixed_cache(model, source: DynamicCache, low: dict, high: dict, keys: set, values: set) -> DynamicCache:
@@ -55,40 +46,33 @@ def mixed_cache(model, source: DynamicCache, low: dict, high: dict, keys: set, v
 
 
 def main() -> int:
-    session = Session(MODEL, output="/tmp/wide_sides", threads=int(os.environ.get("THREADS", "2")), domain=DOMAIN)
+    session = Session(SETTINGS.model, output="/tmp/wide_sides", threads=SETTINGS.threads, domain=SETTINGS.domain)
     model, tokenizer = session.model, session.tokenizer
     method = main_methods()["oscar"]
     rotations = session.rotations({"oscar": method})["oscar"]
     layout = rotations.layout
     copy = copy_scores(model, tokenizer)
-    stream = haystack_stream(tokenizer, session.eval_docs)
     records, start = [], time.perf_counter()
-    for depth in DEPTHS:
-        for seed in SEEDS:
-            trial = make_trial(tokenizer, session.eval_docs, LENGTH, depth, seed, stream=stream)
-            source = prefill(model, trial.haystack_ids)
-            default = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
-            low = reconstructed_states(fill_from_prefill(
-                OscarCache(model, rotations, OscarConfig(**{**layout, "wide_heads": "none"})), source))
-            high = reconstructed_states(fill_from_prefill(
-                OscarCache(model, rotations, OscarConfig(**{**layout, "bits": 4})), source))
-            for spec in SETS:
-                kind, _, k = spec.partition(":")
-                top = top_heads(copy, int(k), set(low)) if k else set()
-                cache = {"default": lambda: mixed_cache(model, source, default, default, set(), set()),
-                         "both": lambda: mixed_cache(model, source, low, high, top, top),
-                         "keys": lambda: mixed_cache(model, source, low, high, top, set()),
-                         "values": lambda: mixed_cache(model, source, low, high, set(), top)}[kind]()
-                text = tokenizer.decode(greedy_answer(model, cache, trial.question_ids, 8), skip_special_tokens=True)
-                rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
-                records.append(rec)
-                print(f"{time.perf_counter() - start:.0f}s", depth, seed, spec, repr(text), rec["hit"], flush=True)
-            summary = {s: f"{sum(r['hit'] for r in records if r['set'] == s)}/{sum(r['set'] == s for r in records)}"
-                       for s in SETS}
-            env = {k: os.environ.get(k) for k in ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN")}
-            json.dump({"meta": {"command": "python eval/wide_sides_experiment.py", "env": env,
-                                "wide_heads_of_default": rotations.wide_heads},
-                       "summary": summary, "results": records}, open(OUT, "w"), indent=1)
+    for trial, source in trials(session, SETTINGS):
+        default = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
+        low = reconstructed_states(fill_from_prefill(
+            OscarCache(model, rotations, OscarConfig(**{**layout, "wide_heads": "none"})), source))
+        high = reconstructed_states(fill_from_prefill(
+            OscarCache(model, rotations, OscarConfig(**{**layout, "bits": 4})), source))
+        for spec in SETTINGS.sets:
+            kind, _, k = spec.partition(":")
+            top = top_heads(copy, int(k), set(low)) if k else set()
+            keys, values = {"default": (set(), set()), "both": (top, top), "keys": (top, set()),
+                            "values": (set(), top)}[kind]
+            lo, hi = (default, default) if kind == "default" else (low, high)
+            text = tokenizer.decode(greedy_answer(model, mixed_cache(model, source, lo, hi, keys, values),
+                                                  trial.question_ids, 8), skip_special_tokens=True)
+            rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
+            records.append(rec)
+            print(f"{time.perf_counter() - start:.0f}s", trial.depth, trial.seed, spec, repr(text), rec["hit"], flush=True)
+        # after every trial, so that a long run cut short keeps what it measured
+        summary = write_results(SETTINGS.out, "wide_sides_experiment.py", records, SETTINGS.sets,
+                                wide_heads_of_default=rotations.wide_heads)
     print(summary)
     return 0
 
