@@ -150,3 +150,12 @@ def test_the_key_basis_preference_gets_its_own_calibration_folder():
     assert "preference" not in calibration_key(base)  # folders of earlier calibrations keep their names
     keys = {calibration_key(base.replace(key_basis_hadamard_preference=p)) for p in (1.0, 2.0, 4.0)}
     assert len(keys) == 3  # a run with another preference must not reuse these rotations
+
+
+def test_the_clip_grid_gets_its_own_calibration_folder():
+    from oscar_hf.evaluation.methods import calibration_key
+
+    base = OscarConfig()
+    assert "clip_grid" not in calibration_key(base)  # folders of earlier calibrations keep their names
+    coarse = calibration_key(base.replace(clip_grid=(0.8, 0.9, 1.0)))
+    assert coarse != calibration_key(base) and coarse != calibration_key(base.replace(clip_grid=(0.8, 1.0)))

@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ..cache import OscarCache, OscarLayer
-from ..config import OscarConfig
+from ..config import DEFAULT_CLIP_GRID, OscarConfig
 from ..models import model_geometry, text_config
 from ..rotations_io import OscarRotations
 from .kivi import KiviCache, KiviConfig
@@ -291,6 +291,8 @@ def calibration_key(config: OscarConfig) -> str:
             key += f",allocation_history_bits={config.allocation_history_bits}"
     if config.key_basis_hadamard_preference != 1.0:
         key += f",key_basis_hadamard_preference={config.key_basis_hadamard_preference}"
+    if config.clip_grid != DEFAULT_CLIP_GRID:  # the fitted clips are picked from this grid
+        key += ",clip_grid=" + "/".join(f"{r:g}" for r in config.clip_grid)
     if config.wide_layout and config.wide_heads != "none":
         key += f",wide_heads={config.wide_heads},wide_history_bits={config.wide_history_bits}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
