@@ -31,7 +31,7 @@ from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_str
 from oscar_hf.evaluation.runner import Session
 from oscar_hf.metrics import cache_kwarg
 
-ENV_KEYS = ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN")
+ENV_KEYS = ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN", "VALUES", "KEY_BLOCKS", "MAX_BITS", "WEIGHTS")
 
 
 def trial_settings(sets: str, out: str) -> SimpleNamespace:
@@ -57,6 +57,23 @@ def write_results(out: str, script: str, records: list[dict], sets: list[str], *
     json.dump({"meta": {"command": f"python eval/{script}", "env": {k: os.environ.get(k) for k in ENV_KEYS}, **meta},
                "summary": summary, "results": records}, open(out, "w"), indent=1)
     return summary
+
+
+def default_session(settings: SimpleNamespace, output: str):
+    """The evaluation session of the settings' model and domain, the default method and its calibrated rotations."""
+    session = Session(settings.model, output=output, threads=settings.threads, domain=settings.domain)
+    method = main_methods()["oscar"]
+    return session, method, session.rotations({"oscar": method})["oscar"]
+
+
+def answer(session, cache, trial, spec: str, records: list[dict], start: float) -> dict:
+    """Runs the trial's question through `cache`, appends and prints the record of set `spec`."""
+    tokens = greedy_answer(session.model, cache, trial.question_ids, 8)
+    text = session.tokenizer.decode(tokens, skip_special_tokens=True)
+    rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
+    records.append(rec)
+    print(f"{time.perf_counter() - start:.0f}s", trial.depth, trial.seed, spec, repr(text), rec["hit"], flush=True)
+    return rec
 
 
 def trials(session, settings: SimpleNamespace):

@@ -20,8 +20,8 @@ eval/NOTES.md.
 import os, sys, torch
 import oscar_hf.cache as C
 from key_bits_experiment import install
-from oscar_hf.calibrate import StatisticsCollector, _run, calibration_sequences, capturing, key_basis_errors
-from oscar_hf.models import model_geometry
+from key_waterfill_experiment import heldout_record
+from oscar_hf.calibrate import key_basis_errors
 from oscar_hf.quant import fake_quantize_channels
 
 UNIT = os.environ.get("UNIT", "layer")
@@ -68,13 +68,8 @@ def _allocate_for(self, model, rotations, config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
-    _, heldout, _ = calibration_sequences(tokenizer, config)
-    collector = StatisticsCollector(model_geometry(model.config))
-    collector.record = {}
-    with capturing(model, collector):
-        _run(model, heldout, False, "held-out")
     errors = {}
-    for layer, (q, k, v, scale) in collector.record.items():
+    for layer, (q, k, v, scale) in heldout_record(model, tokenizer, config).items():
         basis = {"stored": rotations.key_rotations[layer].to(q.device)}
         errors[layer] = {b: key_basis_errors(q, k, v, basis, scale, config.replace(key_block=b, key_block_allocation="uniform"))["stored"]
                          for b in BLOCKS}

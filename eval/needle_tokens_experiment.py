@@ -25,10 +25,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from head_precision_experiment import reconstructed_states, trial_settings, trials, write_results
-from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer
-from oscar_hf.evaluation.runner import Session
+from head_precision_experiment import (answer, default_session, reconstructed_states, trial_settings, trials,
+                                       write_results)
+from oscar_hf.evaluation.methods import fill_from_prefill
 
 SETTINGS = trial_settings("none,needle,needle-keys,needle-values,haystack", "/tmp/needle_tokens_{model}_{length}.json")
 NEEDLE_TOKENS = 16  # covers "The special magic number is NNNNN." in the tokenizers here
@@ -50,10 +49,8 @@ def mixed_cache(model, source: DynamicCache, recon: dict, positions: torch.Tenso
 
 
 def main() -> int:
-    session = Session(SETTINGS.model, output="/tmp/needle_tokens", threads=SETTINGS.threads, domain=SETTINGS.domain)
+    session, method, rotations = default_session(SETTINGS, "/tmp/needle_tokens")
     model, tokenizer = session.model, session.tokenizer
-    method = main_methods()["oscar"]
-    rotations = session.rotations({"oscar": method})["oscar"]
     records, start = [], time.perf_counter()
     for trial, source in trials(session, SETTINGS):
         recon = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
@@ -62,11 +59,7 @@ def main() -> int:
         for spec in SETTINGS.sets:
             positions, sides = {"none": (needle & False, "kv"), "needle": (needle, "kv"), "needle-keys": (needle, "k"),
                                 "needle-values": (needle, "v"), "haystack": (~needle, "kv")}[spec]
-            tokens = greedy_answer(model, mixed_cache(model, source, recon, positions, sides), trial.question_ids, 8)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
-            records.append(rec)
-            print(f"{time.perf_counter() - start:.0f}s", trial.depth, trial.seed, spec, repr(text), rec["hit"], flush=True)
+            answer(session, mixed_cache(model, source, recon, positions, sides), trial, spec, records, start)
     print(write_results(SETTINGS.out, "needle_tokens_experiment.py", records, SETTINGS.sets,
                         needle_tokens=NEEDLE_TOKENS))
     return 0

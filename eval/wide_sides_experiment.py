@@ -19,37 +19,36 @@ from __future__ import annotations
 
 import sys
 import time
+from copy import deepcopy
 
 from transformers import DynamicCache
 
-from head_precision_experiment import copy_scores, reconstructed_states, top_heads, trial_settings, trials, write_results
+from head_precision_experiment import (answer, copy_scores, default_session, reconstructed_states, top_heads, trial_settings,
+                                       trials, write_results)
 from oscar_hf.cache import OscarCache
 from oscar_hf.config import OscarConfig
-from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
-from oscar_hf.evaluation.niah import answer_matches, greedy_answer
-from oscar_hf.evaluation.runner import Session
+from oscar_hf.evaluation.methods import fill_from_prefill
 
 SETTINGS = trial_settings("default,both:11,keys:22,values:22", "/tmp/wide_sides_{model}_{length}.json")
 
 
 def mixed_cache(model, source: DynamicCache, low: dict, high: dict, keys: set, values: set) -> DynamicCache:
-    """Per OSCAR layer and KV head: keys from `high` for heads in `keys`, else `low`; values likewise."""
-    cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(source.layers):
-        k, v = layer.keys.clone(), layer.values.clone()
+    """Per OSCAR layer and KV head: keys from `high` for heads in `keys`, else `low`; values likewise. The other
+    layers are copies of `source`'s (a sliding-window layer keeps its window and the count of tokens it has seen,
+    which a fresh `update` with the window alone would get wrong)."""
+    cache = deepcopy(source)
+    for i, layer in enumerate(cache.layers):
         if i in low:
+            k, v = layer.keys, layer.values
             for h in range(k.shape[1]):
                 k[:, h] = (high if (i, h) in keys else low)[i][0][:, h].to(k.dtype)
                 v[:, h] = (high if (i, h) in values else low)[i][1][:, h].to(v.dtype)
-        cache.update(k, v, i)
     return cache
 
 
 def main() -> int:
-    session = Session(SETTINGS.model, output="/tmp/wide_sides", threads=SETTINGS.threads, domain=SETTINGS.domain)
+    session, method, rotations = default_session(SETTINGS, "/tmp/wide_sides")
     model, tokenizer = session.model, session.tokenizer
-    method = main_methods()["oscar"]
-    rotations = session.rotations({"oscar": method})["oscar"]
     layout = rotations.layout
     copy = copy_scores(model, tokenizer)
     records, start = [], time.perf_counter()
@@ -65,11 +64,7 @@ def main() -> int:
             keys, values = {"default": (set(), set()), "both": (top, top), "keys": (top, set()),
                             "values": (set(), top)}[kind]
             lo, hi = (default, default) if kind == "default" else (low, high)
-            text = tokenizer.decode(greedy_answer(model, mixed_cache(model, source, lo, hi, keys, values),
-                                                  trial.question_ids, 8), skip_special_tokens=True)
-            rec = {**trial.describe(), "set": spec, "answer": text, "hit": answer_matches(text, trial.key)}
-            records.append(rec)
-            print(f"{time.perf_counter() - start:.0f}s", trial.depth, trial.seed, spec, repr(text), rec["hit"], flush=True)
+            answer(session, mixed_cache(model, source, lo, hi, keys, values), trial, spec, records, start)
         # after every trial, so that a long run cut short keeps what it measured
         summary = write_results(SETTINGS.out, "wide_sides_experiment.py", records, SETTINGS.sets,
                                 wide_heads_of_default=rotations.wide_heads)
