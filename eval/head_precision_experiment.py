@@ -25,11 +25,13 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf.cache import OscarCache, OscarLayer
+from oscar_hf.calibrate import StatisticsCollector, _run, calibration_sequences, capturing
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import fill_from_prefill, main_methods
 from oscar_hf.evaluation.niah import answer_matches, greedy_answer, haystack_stream, make_trial, prefill
 from oscar_hf.evaluation.runner import Session
 from oscar_hf.metrics import cache_kwarg
+from oscar_hf.models import model_geometry
 
 ENV_KEYS = ("MODEL", "LENGTH", "DEPTHS", "SEEDS", "SETS", "DOMAIN", "VALUES", "KEY_BLOCKS", "MAX_BITS", "WEIGHTS")
 
@@ -76,6 +78,24 @@ def answer(session, cache, trial, spec: str, records: list[dict], start: float) 
     return rec
 
 
+@torch.no_grad()
+def heldout_record(model, tokenizer, config: OscarConfig, data=None) -> dict:
+    """{layer: (query [Hq, T, d], key [H, T, d], value, scale)} of calibration's held-out sequence, as `calibrate`
+    records it for its clip fit (disjoint from the calibration and evaluation text)."""
+    _, heldout, _ = calibration_sequences(tokenizer, config, data)
+    return recorded_states(model, heldout)
+
+
+@torch.no_grad()
+def recorded_states(model, sequences) -> dict:
+    """{layer: (query [Hq, T, d], key [H, T, d], value, scale)} of the OSCAR layers on the last of `sequences`."""
+    collector = StatisticsCollector(model_geometry(model.config))
+    collector.record = {}
+    with capturing(model, collector):
+        _run(model, sequences, False, "recorded pass")
+    return collector.record
+
+
 def trials(session, settings: SimpleNamespace):
     """Each (trial, its BF16 prefill) over the settings' depths × seeds, the haystack text tokenized once."""
     stream = haystack_stream(session.tokenizer, session.eval_docs)
@@ -88,6 +108,11 @@ def trials(session, settings: SimpleNamespace):
 _SETTINGS = trial_settings("none,all,copy:9,copy:18", "/tmp/head_precision_{model}_{length}.json")
 MODEL, LENGTH, DEPTHS, SEEDS = _SETTINGS.model, _SETTINGS.length, _SETTINGS.depths, _SETTINGS.seeds
 SETS, OUT, DOMAIN = _SETTINGS.sets, _SETTINGS.out, _SETTINGS.domain
+
+
+def replayed(cache, source: DynamicCache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """`cache` filled from the BF16 prefill `source`, read back (`reconstructed_states`)."""
+    return reconstructed_states(fill_from_prefill(cache, source))
 
 
 def reconstructed_states(cache) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -220,7 +245,7 @@ def main() -> int:
                     if variant not in upgraded:
                         config = OscarConfig(**{**rotations.layout, "bits": int(variant.rstrip("n"))},
                                              **({"value_clip": "none"} if variant.endswith("n") else {}))
-                        upgraded[variant] = reconstructed_states(fill_from_prefill(OscarCache(model, rotations, config), source))
+                        upgraded[variant] = replayed(OscarCache(model, rotations, config), source)
                     upgrade, kind = upgraded[variant], "copy"
                 if kind == "none":
                     exact = set()

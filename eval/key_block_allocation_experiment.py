@@ -20,7 +20,7 @@ eval/NOTES.md.
 import os, sys, torch
 import oscar_hf.cache as C
 from key_bits_experiment import install
-from key_waterfill_experiment import heldout_record
+from head_precision_experiment import heldout_record
 from oscar_hf.calibrate import key_basis_errors
 from oscar_hf.quant import fake_quantize_channels
 

@@ -7,7 +7,8 @@ rotation-averaged to a multiple of the identity), so the raw basis is that basis
 held-out sequence gives each channel's query energy w_c and the squared error D_c(b) of its keys quantized
 channel-wise over the default's key blocks (its per-head allocation; KEY_BLOCKS=64: 64 for every head) at
 b = 0..MAX_BITS bits (0 bits: the block mean); a greedy reverse water-filling then gives each channel b_c bits so
-that Σ_c b_c = 2·d (4·d for the default's wide heads) and Σ_c w_c·D_c(b_c) is least. The same (scale, minimum) per channel and block as the default: no more bits.
+that Σ_c b_c = 2·d (4·d for the default's wide heads) and Σ_c w_c·D_c(b_c) is least. The same (scale, minimum)
+per channel and block as the default: no more bits.
 
 Replayed like `replay_variants_experiment.py`: per trial the default cache is filled from the BF16 prefill; a
 variant takes its values from the default's reconstruction and its history keys (the same positions the default
@@ -39,14 +40,12 @@ import time
 
 import torch
 
-from head_precision_experiment import (answer, default_session, reconstructed_states, trial_settings, trials,
-                                       write_results)
+from head_precision_experiment import (answer, default_session, heldout_record, reconstructed_states, recorded_states,
+                                       replayed, trial_settings, trials, write_results)
 from oscar_hf.cache import OscarCache
-from oscar_hf.calibrate import RETRIEVAL_SPAN, StatisticsCollector, _run, calibration_sequences, capturing
-from oscar_hf.data import sequence_prefix
+from oscar_hf.calibrate import retrieval_sequences
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import fill_from_prefill
-from oscar_hf.models import model_geometry, text_config
 from oscar_hf.quant import fake_quantize
 from wide_sides_experiment import mixed_cache
 
@@ -105,18 +104,6 @@ def allocate(weights: torch.Tensor, errors: torch.Tensor, budget: int, widths=No
     return bits
 
 
-@torch.no_grad()
-def heldout_record(model, tokenizer, config: OscarConfig, data=None) -> dict:
-    """{layer: (query [Hq, T, d], key [H, T, d], value, scale)} of calibration's held-out sequence, as `calibrate`
-    records it for its clip fit (disjoint from the calibration and evaluation text)."""
-    _, heldout, _ = calibration_sequences(tokenizer, config, data)
-    collector = StatisticsCollector(model_geometry(model.config))
-    collector.record = {}
-    with capturing(model, collector):
-        _run(model, heldout, False, "held-out")
-    return collector.record
-
-
 def query_energy(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """E[q_c²] per KV head and channel `[H, d]` (float64) of queries `[Hq, T, d]` in `basis` `[H, d, d]`, the
     query heads of each GQA group pooled."""
@@ -128,16 +115,17 @@ def query_energy(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def probe_queries(model, tokenizer) -> dict[int, torch.Tensor]:
     """{layer: queries [Hq, T, d]} of calibration's data-free retrieval probe (a random-token sequence read twice,
-    `calibrate.retrieval_scores`), the queries of heads that look things up by content."""
-    prefix = sequence_prefix(tokenizer)
-    special = set(tokenizer.all_special_ids)
-    vocab = torch.tensor([t for t in range(min(len(tokenizer), text_config(model.config).vocab_size)) if t not in special])
-    body = vocab[torch.randint(len(vocab), (RETRIEVAL_SPAN,), generator=torch.Generator().manual_seed(0))]
-    collector = StatisticsCollector(model_geometry(model.config))
-    collector.record = {}
-    with capturing(model, collector):
-        _run(model, [torch.cat([torch.tensor(prefix, dtype=torch.long), body, body])], False, "probe")
-    return {layer: q for layer, (q, _, _, _) in collector.record.items()}
+    `calibrate.retrieval_sequences`, its first seed), the queries of heads that look things up by content."""
+    _, _, sequences = retrieval_sequences(model, tokenizer, seeds=(0,))
+    return {layer: q for layer, (q, _, _, _) in recorded_states(model, sequences).items()}
+
+
+def layer_allocation(weights: torch.Tensor, keys: torch.Tensor, blocks, budgets, widths=None) -> torch.Tensor:
+    """Channel bits `[H, d]` of one layer: `weights` `[H, d]` (query energy per channel), `keys` `[H, T, d]` (the
+    held-out keys after the sink, in the allocation's basis, whole chunks), each head's key block and code-bit
+    budget (`allocate`)."""
+    err = ((block_reconstructions(keys, blocks) - keys) ** 2).mean(2).permute(1, 2, 0).double()  # [H, d, bits]
+    return torch.stack([allocate(weights[h], err[h], budgets[h], widths) for h in range(keys.shape[0])])
 
 
 @torch.no_grad()
@@ -153,18 +141,16 @@ def heldout_allocation(session, rotations, tables: dict[str, tuple[dict[int, tor
         out[name] = {}
         for layer, (q, k, _, _) in record.items():
             h, d = k.shape[0], k.shape[-1]
-            g = q.shape[0] // h
             b = basis[layer].float()  # [H, d, d]
             kr = torch.matmul(k, b)[:, config.sink_tokens:]
             kr = kr[:, : kr.shape[1] // CHUNK * CHUNK]
             w = query_energy(q, b)  # [H, d]
             if probe is not None:
                 w_probe = query_energy(probe[layer], b)
-                w = w_probe if WEIGHTS == "probe" else w / w.sum(-1, keepdim=True) + w_probe / w_probe.sum(-1, keepdim=True)
-            recon = block_reconstructions(kr, blocks_of(rotations, layer, h))
-            err = ((recon - kr) ** 2).mean(2).permute(1, 2, 0).double()  # [H, d, bits]
+                share = lambda x: x / x.sum(-1, keepdim=True)  # noqa: E731
+                w = w_probe if WEIGHTS == "probe" else share(w) + share(w_probe)
             budgets = [round((4 if (layer, hh) in wide else key_bits) * d) for hh in range(h)]
-            out[name][layer] = torch.stack([allocate(w[hh], err[hh], budgets[hh], widths) for hh in range(h)])
+            out[name][layer] = layer_allocation(w, kr, blocks_of(rotations, layer, h), budgets, widths)
     return out
 
 
@@ -208,7 +194,7 @@ def main() -> int:
         value_source = default
         if os.environ.get("VALUES", "default") == "narrow":
             narrow = OscarConfig(**{**rotations.layout, "wide_heads": "none"})
-            value_source = reconstructed_states(fill_from_prefill(OscarCache(model, rotations, narrow), source))
+            value_source = replayed(OscarCache(model, rotations, narrow), source)
         exact = {i: (source.layers[i].keys.float(), source.layers[i].values.float()) for i in default}
         heads = {(i, h) for i in default for h in range(default[i][0].shape[1])}
         for spec in SETTINGS.sets:
@@ -225,7 +211,8 @@ def main() -> int:
                 high, keys, values = low, set(), set()
             answer(session, mixed_cache(model, source, low, high, keys, values), trial, spec, records, start)
         summary = write_results(SETTINGS.out, "key_waterfill_experiment.py", records, SETTINGS.sets,
-                                max_bits=MAX_BITS, key_blocks=KEY_BLOCKS, weights=WEIGHTS, values=os.environ.get("VALUES", "default"),
+                                max_bits=MAX_BITS, key_blocks=KEY_BLOCKS, weights=WEIGHTS,
+                                values=os.environ.get("VALUES", "default"),
                                 channel_bits={n: {str(i): t.tolist() for i, t in tb.items()}
                                                                  for n, tb in bits.items()})
     print(summary)

@@ -21,7 +21,8 @@ import torch
 
 import oscar_hf.cache as C
 from key_bits_experiment import install
-from key_waterfill_experiment import allocate, block_reconstructions, heldout_record
+from head_precision_experiment import heldout_record
+from key_waterfill_experiment import block_reconstructions, layer_allocation, query_energy
 
 KEYS = os.environ.get("KEYS", "water")
 WIDTHS = tuple(int(c) for c in os.environ.get("WIDTHS", "024"))
@@ -41,10 +42,8 @@ def _allocate_for(model, rotations, config) -> None:
         blocks = rotations.key_blocks[layer] if rotations.key_blocks else (config.key_block,) * h
         kr = k[:, config.sink_tokens:]
         kr = kr[:, : kr.shape[1] // config.demotion_block * config.demotion_block]
-        w = q.reshape(h, q.shape[0] // h, -1, d).square().mean(dim=(1, 2)).double()
-        err = ((block_reconstructions(kr, blocks) - kr) ** 2).mean(2).permute(1, 2, 0).double()
-        TABLE[layer] = torch.stack([allocate(w[x], err[x], round((4 if (layer, x) in wide else KEY_BITS) * d), WIDTHS)
-                                    for x in range(h)])
+        budgets = [round((4 if (layer, x) in wide else KEY_BITS) * d) for x in range(h)]
+        TABLE[layer] = layer_allocation(query_energy(q, torch.eye(d).expand(h, d, d)), kr, blocks, budgets, WIDTHS)
     hist = torch.bincount(torch.cat([t.flatten() for t in TABLE.values()]), minlength=5).tolist()
     print(f"key channel bits 0..4: {hist}", file=sys.stderr)
 

@@ -25,9 +25,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from head_precision_experiment import (answer, default_session, reconstructed_states, trial_settings, trials,
-                                       write_results)
-from oscar_hf.evaluation.methods import fill_from_prefill
+from head_precision_experiment import answer, default_session, replayed, trial_settings, trials, write_results
 
 SETTINGS = trial_settings("none,needle,needle-keys,needle-values,haystack", "/tmp/needle_tokens_{model}_{length}.json")
 NEEDLE_TOKENS = 16  # covers "The special magic number is NNNNN." in the tokenizers here
@@ -53,7 +51,7 @@ def main() -> int:
     model, tokenizer = session.model, session.tokenizer
     records, start = [], time.perf_counter()
     for trial, source in trials(session, SETTINGS):
-        recon = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
+        recon = replayed(method.make_cache(model, rotations), source)
         needle = torch.zeros(trial.haystack_ids.shape[1], dtype=torch.bool)
         needle[trial.needle_token : trial.needle_token + NEEDLE_TOKENS] = True
         for spec in SETTINGS.sets:

@@ -22,11 +22,9 @@ from __future__ import annotations
 import sys
 import time
 
-from head_precision_experiment import (answer, default_session, reconstructed_states, trial_settings, trials,
-                                       write_results)
+from head_precision_experiment import answer, default_session, replayed, trial_settings, trials, write_results
 from oscar_hf.cache import OscarCache
 from oscar_hf.config import OscarConfig
-from oscar_hf.evaluation.methods import fill_from_prefill
 from wide_sides_experiment import mixed_cache
 
 SETTINGS = trial_settings("bf16,default,keys-exact,values-exact", "/tmp/replay_{model}_{length}.json")
@@ -54,12 +52,12 @@ def main() -> int:
                if s.startswith(("cfg:", "keys-cfg:"))}
     records, start = [], time.perf_counter()
     for trial, source in trials(session, SETTINGS):
-        default = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
+        default = replayed(method.make_cache(model, rotations), source)
         exact = {i: (source.layers[i].keys.float(), source.layers[i].values.float()) for i in default}
         heads = {(i, h) for i in default for h in range(default[i][0].shape[1])}
         for spec in SETTINGS.sets:
             if spec in configs:
-                recon = reconstructed_states(fill_from_prefill(OscarCache(model, rotations, configs[spec]), source))
+                recon = replayed(OscarCache(model, rotations, configs[spec]), source)
                 low, high, keys, values = recon, recon, set(), set()
                 if spec.startswith("keys-cfg:"):
                     low, keys = default, heads

@@ -23,11 +23,10 @@ from copy import deepcopy
 
 from transformers import DynamicCache
 
-from head_precision_experiment import (answer, copy_scores, default_session, reconstructed_states, top_heads, trial_settings,
-                                       trials, write_results)
+from head_precision_experiment import (answer, copy_scores, default_session, replayed, top_heads, trial_settings, trials,
+                                       write_results)
 from oscar_hf.cache import OscarCache
 from oscar_hf.config import OscarConfig
-from oscar_hf.evaluation.methods import fill_from_prefill
 
 SETTINGS = trial_settings("default,both:11,keys:22,values:22", "/tmp/wide_sides_{model}_{length}.json")
 
@@ -53,11 +52,9 @@ def main() -> int:
     copy = copy_scores(model, tokenizer)
     records, start = [], time.perf_counter()
     for trial, source in trials(session, SETTINGS):
-        default = reconstructed_states(fill_from_prefill(method.make_cache(model, rotations), source))
-        low = reconstructed_states(fill_from_prefill(
-            OscarCache(model, rotations, OscarConfig(**{**layout, "wide_heads": "none"})), source))
-        high = reconstructed_states(fill_from_prefill(
-            OscarCache(model, rotations, OscarConfig(**{**layout, "bits": 4})), source))
+        default = replayed(method.make_cache(model, rotations), source)
+        low = replayed(OscarCache(model, rotations, OscarConfig(**{**layout, "wide_heads": "none"})), source)
+        high = replayed(OscarCache(model, rotations, OscarConfig(**{**layout, "bits": 4})), source)
         for spec in SETTINGS.sets:
             kind, _, k = spec.partition(":")
             top = top_heads(copy, int(k), set(low)) if k else set()

@@ -444,9 +444,9 @@ class RetrievalProbe:
         return {layer: (total / self.counts[layer]).float() for layer, total in sorted(self.sums.items())}
 
 
-def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEVAL_SEEDS) -> dict[int, torch.Tensor]:
-    """`{layer: [H_kv]}` retrieval scores of the OSCAR layers (`RetrievalProbe`), from `len(seeds)` random sequences."""
-    geometry = model_geometry(model.config)
+def retrieval_sequences(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEVAL_SEEDS):
+    """The probe's inputs: `(prefix length, span, sequences)`, each sequence the tokenizer's prefix and `span` random
+    non-special tokens read twice (span shortened to fit the model's positions), one per seed."""
     prefix = sequence_prefix(tokenizer)
     special = set(tokenizer.all_special_ids)
     vocab = torch.tensor([t for t in range(min(len(tokenizer), text_config(model.config).vocab_size)) if t not in special])
@@ -457,7 +457,14 @@ def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEV
     for seed in seeds:
         body = vocab[torch.randint(len(vocab), (span,), generator=torch.Generator().manual_seed(seed))]
         sequences.append(torch.cat([torch.tensor(prefix, dtype=torch.long), body, body]))
-    probe = RetrievalProbe(geometry, len(prefix), span)
+    return len(prefix), span, sequences
+
+
+def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEVAL_SEEDS) -> dict[int, torch.Tensor]:
+    """`{layer: [H_kv]}` retrieval scores of the OSCAR layers (`RetrievalProbe`), from `len(seeds)` random sequences."""
+    geometry = model_geometry(model.config)
+    prefix, span, sequences = retrieval_sequences(model, tokenizer, span, seeds)
+    probe = RetrievalProbe(geometry, prefix, span)
     was_training = model.training
     model.eval()
     try:
