@@ -54,10 +54,11 @@ MIXED_KEY_BLOCKS = (32, 128, 64, 128, 32, 128, 64, 128)
 def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...], int]:
     """(per-head key blocks, key chunk) of a named layout: "default" (KEY_BLOCK for every head in chunks of
     KEY_CHUNK), "mixed" (MIXED_KEY_BLOCKS, cycled), "wide" (the mixed blocks with WIDE_HEADS at 4 bits: `wide_layout`),
-    "block128" (one block per chunk) or "token" (token-wise keys)."""
+    "channels" (the wide layout with wide key channels in the other heads: `wide_channel_layout`), "block128" (one
+    block per chunk) or "token" (token-wise keys)."""
     if layout == "token":
         return (), 0
-    if layout in ("mixed", "wide"):
+    if layout in ("mixed", "wide", "channels"):
         return tuple(MIXED_KEY_BLOCKS[i % len(MIXED_KEY_BLOCKS)] for i in range(kv_heads)), KEY_CHUNK
     if layout == "block128":
         return (128,) * kv_heads, KEY_CHUNK
@@ -70,9 +71,18 @@ def wide_layout(kv_heads: int, layout: str) -> tuple[int, ...]:
     """`quant.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", none elsewhere."""
     from oscar_hf.quant import WIDE_BITS, wide_rows
 
-    if layout != "wide":
+    if layout not in ("wide", "channels"):
         return ()
     return wide_rows([WIDE_BITS if h in WIDE_HEADS else 2 for h in range(kv_heads)])
+
+
+def wide_channel_layout(kv_heads: int, layout: str, head_dim: int) -> tuple[int, ...]:
+    """Wide key channels per KV head of a named layout: in "channels", between head_dim/8 and head_dim/3 (what
+    calibration gives SmolLM2's 2-bit heads: 15-24 of 64), 0 in the wide heads; none elsewhere."""
+    if layout != "channels":
+        return ()
+    return tuple(0 if h in WIDE_HEADS else head_dim // 8 + (5 * h) % (head_dim // 3 - head_dim // 8 + 1)
+                 for h in range(kv_heads))
 
 
 def key_meta_rows(key_blocks, key_chunk: int) -> int:
@@ -138,6 +148,7 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
     returns the op's argument tuple."""
     key_blocks, key_chunk = key_layout(kv_heads, layout)
     wide = wide_layout(kv_heads, layout)
+    channels = wide_channel_layout(kv_heads, layout, d)
     rows = kv_heads + sum(r >= 0 for r in wide)  # the codes' head rows: wide heads' low planes after the KV heads
     n_sink = min(sink, length)
     unit = key_chunk or 8
@@ -163,7 +174,8 @@ def random_segments(batch, kv_heads, groups_q, length, d, t=1, device="cuda", si
         meta_k = meta(batch, kv_heads, n_hist, meta_groups)
     empty = q.new_empty(batch, kv_heads, 0, d)
     return (q, sink_k, sink_v, codes_k, meta_k, codes_v, meta(batch, kv_heads, n_hist, meta_groups), rec_k, rec_v, empty,
-            empty, None, n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, list(key_blocks), key_chunk, list(wide))
+            empty, None, n_sink, n_hist, n_recent, 0, t, length - t, d ** -0.5, list(key_blocks), key_chunk, list(wide),
+            list(channels))
 
 
 def bytes_read(args) -> int:
@@ -182,13 +194,19 @@ def bytes_read(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ sections
-def joined_codes(planes: torch.Tensor, wide: list[int]) -> torch.Tensor:
-    """Unpacked 2-bit rows `[B, H + U, L, d]` -> each KV head's codes `[B, H, L, d]`, a wide head's as 4·high + low."""
+def joined_codes(planes: torch.Tensor, wide: list[int], channels=()) -> torch.Tensor:
+    """Unpacked 2-bit rows `[B, H + U, L, d]` -> each KV head's codes `[B, H, L, d]`, a wide head's as 4·high + low,
+    a head's n wide key channels as 4·high + low in their slots and 0 in the last n (their block means are meta)."""
     heads = planes.shape[1] - sum(r >= 0 for r in wide)
     codes = planes[:, :heads].clone()
     for h, r in enumerate(wide):
         if r >= 0:
             codes[:, h] = planes[:, h] * 4 + planes[:, r]
+    d = codes.shape[-1]
+    for h, n in enumerate(channels):
+        if n:
+            codes[:, h, :, :n] = planes[:, h, :, :n] * 4 + planes[:, h, :, d - n :]
+            codes[:, h, :, d - n :] = 0
     return codes
 
 
@@ -204,10 +222,13 @@ def section_check(device, quick):
         (2, 8, 4, 8192, 128, 1, 4, "block128"), (1, 8, 4, 32768, 128, 1, 1, "token"), (2, 8, 4, 8192, 128, 1, 4, "token"),
         (1, 8, 4, 131072, 128, 1, 1, "wide"), (8, 8, 4, 32768, 128, 1, 1, "wide"), (4, 8, 4, 16384, 128, 16, 1, "wide"),
         (4, 2, 7, 16384, 64, 1, 1, "wide"), (2, 2, 4, 8192, 256, 1, 1, "wide"),
+        (1, 8, 4, 131072, 128, 1, 1, "channels"), (8, 8, 4, 32768, 128, 1, 1, "channels"),
+        (4, 8, 4, 16384, 128, 16, 1, "channels"), (4, 3, 3, 16384, 64, 1, 1, "channels"),
+        (2, 2, 4, 8192, 256, 1, 1, "channels"),
     ]
     if quick:
         shapes = [(1, 2, 4, 1500, 64, 1, 1, "default"), (1, 4, 4, 1500, 64, 1, 1, "mixed"), (2, 2, 2, 700, 128, 3, 2, "token"),
-                  (1, 4, 4, 1500, 64, 1, 1, "wide")]
+                  (1, 4, 4, 1500, 64, 1, 1, "wide"), (1, 4, 4, 1500, 64, 1, 1, "channels")]
     rows = []
     for (b, h, g, length, d, t, mg, kb) in shapes:
         torch.manual_seed(length + b)
@@ -233,13 +254,17 @@ def section_check(device, quick):
     cases = [(4, 8, 16384, 128, True, "token"), (32, 8, 8, 128, False, "token"), (2, 2, 4096, 64, True, "token"),
              (4, 8, 16384, 128, True, "default"), (32, 8, 128, 128, False, "default"), (2, 1, 4096, 256, True, "default"),
              (4, 8, 16384, 128, True, "mixed"), (32, 8, 128, 128, False, "mixed"), (2, 2, 4096, 64, False, "block128"),
-             (4, 8, 16384, 128, True, "wide"), (32, 8, 128, 128, False, "wide"), (2, 2, 4096, 64, True, "wide")]
+             (4, 8, 16384, 128, True, "wide"), (32, 8, 128, 128, False, "wide"), (2, 2, 4096, 64, True, "wide"),
+             (4, 8, 16384, 128, True, "channels"), (32, 8, 128, 128, False, "channels"),
+             (2, 3, 4096, 64, True, "channels"), (2, 2, 4096, 256, False, "channels")]
     for (b, h, n, d, rotate, layout) in (cases if not quick else [(2, 2, 320, 64, True, "token"),
                                                                     (2, 2, 256, 64, True, "default"),
                                                                     (2, 4, 256, 64, True, "mixed"),
-                                                                    (2, 4, 256, 64, True, "wide")]):
+                                                                    (2, 4, 256, 64, True, "wide"),
+                                                                    (2, 4, 256, 64, True, "channels")]):
         key_blocks, chunk = key_layout(h, layout)
         wide = list(wide_layout(h, layout))
+        channels = list(wide_channel_layout(h, layout, d))
         rows_k = h + sum(r >= 0 for r in wide)
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
@@ -249,12 +274,12 @@ def section_check(device, quick):
             codes = torch.full((b, rows_k, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
             meta_shape = (b, (n + start) // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, n + start, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
-            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk, wide)
+            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk, wide, channels)
             outs.append((codes, meta))
         from oscar_hf.quant import unpack_2bit_u8
 
         # compare whole codes: a wide head's 4-bit code off by one can flip both of its 2-bit planes
-        a, r = (joined_codes(unpack_2bit_u8(o[0][:, :, start:]).int(), wide) for o in outs)
+        a, r = (joined_codes(unpack_2bit_u8(o[0][:, :, start:]).int(), wide, channels) for o in outs)
         differ = (a != r).float().mean().item()
         written_meta = outs[1][1][:, 1:] if chunk else outs[1][1][:, :, start:]
         written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(written_meta).any())
@@ -267,26 +292,31 @@ def section_check(device, quick):
     # the static cache's decode writes: first row read on the device, negative = nothing written
     for (b, h, n, d, layout, start) in ((4, 8, 1, 128, "token", 700), (4, 8, 1, 128, "token", -1), (2, 1, 1, 256, "token", 5),
                                         (4, 8, 128, 128, "mixed", 256), (4, 8, 128, 128, "mixed", -1),
-                                        (2, 1, 128, 256, "default", 128)):
+                                        (2, 1, 128, 256, "default", 128), (4, 8, 128, 128, "channels", 256),
+                                        (4, 8, 128, 128, "channels", -1)):
         key_blocks, chunk = key_layout(h, layout) if layout != "token" else ((), 0)
+        wide, channels = list(wide_layout(h, layout)), list(wide_channel_layout(h, layout, d))
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         cap = 1024
         outs = []
         for fn in ("reference", "kernel"):
-            codes = torch.full((b, h, cap, d // 4), 0xAA, device=device, dtype=torch.uint8)
+            codes = torch.full((b, h + sum(r >= 0 for r in wide), cap, d // 4), 0xAA, device=device, dtype=torch.uint8)
             meta_shape = (b, cap // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, cap, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
             if fn == "kernel":
                 torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.96, codes, meta,
-                                                 torch.tensor([start], device=device), list(key_blocks), chunk, 0, [])
+                                                 torch.tensor([start], device=device), list(key_blocks), chunk, 0, wide,
+                                                 channels)
             elif start >= 0:
-                quantize_pack_reference(x, None, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk)
+                quantize_pack_reference(x, None, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk,
+                                        wide, channels)
             sync()
             outs.append((codes, meta))
         (rc, rm), (kc, km) = outs
         from oscar_hf.quant import unpack_2bit_u8
 
-        differ = (unpack_2bit_u8(kc).int() != unpack_2bit_u8(rc).int()).float().mean().item()
+        differ = (joined_codes(unpack_2bit_u8(kc).int(), wide, channels)
+                  != joined_codes(unpack_2bit_u8(rc).int(), wide, channels)).float().mean().item()
         same_meta = torch.equal(km.isnan(), rm.isnan()) and torch.allclose(km.nan_to_num().float(), rm.nan_to_num().float(),
                                                                            rtol=1e-2, atol=1e-3)
         passed = same_meta and differ < 1e-3
@@ -329,16 +359,17 @@ def check_static_decode(device, quick):
             f"{'ok' if passed else 'FAIL'}")
         free()
     shapes = ((1, 8, 4, 32768, 128, "mixed"), (8, 8, 4, 4096, 128, "default"), (2, 1, 4, 8192, 256, "default"),
-              (1, 8, 4, 32768, 128, "wide"))
-    for (b, h, g, length, d, layout) in (shapes if not quick else ((1, 4, 4, 1500, 64, "mixed"), (1, 4, 4, 1500, 64, "wide"))):
+              (1, 8, 4, 32768, 128, "wide"), (1, 8, 4, 32768, 128, "channels"), (4, 3, 3, 8192, 64, "channels"))
+    for (b, h, g, length, d, layout) in (shapes if not quick else ((1, 4, 4, 1500, 64, "mixed"), (1, 4, 4, 1500, 64, "wide"),
+                                                                   (1, 4, 4, 1500, 64, "channels"))):
         torch.manual_seed(length + b)
         args = random_segments(b, h, g, length, d, device=device, layout=layout)
         q, sk, sv, ck, mk, cv, mv, rec_k, rec_v = args[:9]
-        n_sink, n_hist, n_recent, t, q_start, scale, blocks, chunk, wide = (*args[12:15], args[16], args[17],
-                                                                             *args[18:22])
+        n_sink, n_hist, n_recent, t, q_start, scale, blocks, chunk, wide, channels = (*args[12:15], args[16], args[17],
+                                                                                       *args[18:23])
         lengths = torch.tensor([n_sink, n_hist, n_recent, 0, q_start], device=device, dtype=torch.int32)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
-        dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, wide, rot)
+        dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, wide, channels, rot)
         ref = decode_attention_reference(*dargs).float()
         lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
                                             else a for a in dargs)).float()
@@ -374,10 +405,16 @@ def section_model_check(device, quick):
     wide = OscarRotations.data_free(model, "hadamard")  # the per-head blocks and WIDE_HEADS at 4 bits
     wide.key_blocks = dict(mixed.key_blocks)
     wide.head_bits = {layer: tuple(4 if h in WIDE_HEADS else 2 for h in range(heads)) for layer in wide.layers}
+    channels = OscarRotations.data_free(model, "identity")  # ... and wide key channels in the raw channels of the others
+    channels.key_blocks, channels.head_bits = dict(wide.key_blocks), dict(wide.head_bits)
+    channels.key_wide_channels = {layer: wide_channel_layout(heads, "channels", model.config.head_dim)
+                                  for layer in channels.layers}
     rows = []
-    for layout in ("channel", "channel (per-head blocks)", "channel (per-head blocks, wide heads)", "token"):
-        rot = wide if "wide" in layout else mixed if "per-head" in layout else uniform
-        config = OscarConfig(value_clip=0.92) if layout != "token" else OscarConfig(
+    for layout in ("channel", "channel (per-head blocks)", "channel (per-head blocks, wide heads)",
+                   "channel (per-head blocks, wide heads, wide key channels)", "token"):
+        rot = (channels if "wide key channels" in layout else wide if "wide" in layout else mixed if "per-head" in layout
+               else uniform)
+        config = OscarConfig(value_clip=0.92, key_channel_bits="fitted") if layout != "token" else OscarConfig(
             key_granularity="token", demotion_block=8, key_clip=0.96, value_clip=0.92)
         logits = {}
         for mode in ("0", "1"):

@@ -33,7 +33,7 @@ POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
             "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
             "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32", "wide_ptr": "*i32", "wide_table": "*i32",
-            "start_ptr": "*i64"}
+            "start_ptr": "*i64", "channels_ptr": "*i32", "channel_table": "*i32"}
 
 
 def signature(fn, constexprs, qtype):
@@ -196,17 +196,21 @@ def main():
     variants += [(d, 1, 16, 64, "bf16", False, 128, l2, split, True) for d in (64, 128) for l2 in (0, 2)
                  for split in (False, True)]
     variants += [(256, 1, 16, 64, "bf16", False, 128, 0, True, True), (128, 1, 64, 64, "bf16", True, 128, 0, True, True)]
-    for d, groups, block_m, block_n, qtype, mask, key_chunk, l2, split, wide in variants:
+    variants = [v + (False,) for v in variants]
+    # wide key channels (the gathered query planes) beside wide heads, as format-6 layers hold them
+    variants += [(d, 1, 16, 64, "bf16", False, 128, 0, split, True, True) for d in (64, 128) for split in (False, True)]
+    variants += [(256, 1, 16, 64, "bf16", False, 128, 0, True, True, True), (128, 1, 64, 64, "bf16", True, 128, 0, True, True, True)]
+    for d, groups, block_m, block_n, qtype, mask, key_chunk, l2, split, wide, channels in variants:
         words = key_chunk > 0 and groups == 1 and block_m == 16 and d <= 128  # the launcher's choice
         prefetch = words and not l2
         const = dict(D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask,
                      UPCAST=False, DEVICE_LENGTHS=key_chunk > 0, PTX_UNPACK=True, META_WORDS=words, PREFETCH=prefetch,
-                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split, WIDE=wide)
+                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split, WIDE=wide, WIDE_CHANNELS=channels)
         sig = signature(attention._segment_attention_kernel, const, qtype)
         if words:
             sig.update(meta_k="*i32", meta_v="*i32")
         name = (f"attention d={d} G={groups} KC={key_chunk} BM={block_m} BN={block_n} {qtype} mask={mask} "
-                f"prefetch={prefetch} l2_ahead={const['L2_AHEAD']} key_split={split} wide={wide}")
+                f"prefetch={prefetch} l2_ahead={const['L2_AHEAD']} key_split={split} wide={wide} wide_channels={channels}")
         try:
             k = triton.compile(ASTSource(attention._segment_attention_kernel, sig, constexprs=const), target=TARGET)
             print(f"{name}: {ptxas_report(k)}", flush=True)
@@ -228,15 +232,17 @@ def main():
         except Exception as e:
             failures += 1
             print(f"quantize d={d} G={groups} rotate={rotate} clip={clip} bf16={bf16}: FAILED {str(e)[-400:]}")
-    for d, rotate, wide in [(d, r, w) for d in (64, 128, 256) for r in (False, True) for w in (False, True)]:
+    for d, rotate, wide, channels in [(d, r, w, c) for d in (64, 128, 256) for r in (False, True) for w in (False, True)
+                                      for c in (False, True)]:
         if True:
             const = dict(D=d, KEY_CHUNK=128, SUB=16 if d >= 256 else 32, ROTATE=rotate, STORE_BF16=True, META=0,
-                         UPCAST=False, DEVICE_START=False, X_RING=False, WIDE=wide)
+                         UPCAST=False, DEVICE_START=False, X_RING=False, WIDE=wide, WIDE_CHANNELS=channels)
             try:
                 k = triton.compile(ASTSource(quantize._quantize_pack_channels_kernel,
                                              signature(quantize._quantize_pack_channels_kernel, const, "bf16"),
                                              constexprs=const), target=TARGET, options={"num_stages": 1})
-                print(f"quantize channel-wise d={d} rotate={rotate} wide={wide}: {ptxas_report(k)}")
+                print(f"quantize channel-wise d={d} rotate={rotate} wide={wide} wide_channels={channels}: "
+                      f"{ptxas_report(k)}")
             except Exception as e:
                 failures += 1
                 print(f"quantize channel-wise d={d} rotate={rotate} wide={wide}: FAILED {str(e)[-400:]}")

@@ -17,6 +17,11 @@ unpacked codes, each token taking its half's scores. (With every tile at the sma
 made decode 35-45% slower than uniform blocks of 64; split tiles take 12-19% off that, H200, 131K tokens.)
 The per-head (block, offset) come from a small int32 device table (`quantize.key_block_table`, cached per layout and
 device so that CUDA-graph capture creates no tensor).
+Wide key channels (`oscar_hf.quant`, "wide key channels"; n per head from `quantize.wide_channel_table`): key
+slot c of a head with n of them holds a code of channel π(c) (c, or c − (d − n) in the last n slots: the 4-bit
+channels' low planes) under the slot's own (scale, minimum), so q·k̂ = Σ_c (q_π(c) s_c)·code_c + Σ_c q_c m_c: the
+history loops take a second set of query planes, gathered by π once per program, for the scaled dots, and keep q for
+the minima's term. Layers without (`WIDE_CHANNELS` off) pass the query planes themselves: the same code as before.
 Codes become fp16 operands by the magic-number trick (see `_planes`: inline PTX, two codes per instruction), not by
 int -> float conversions.
 Stage 2 (`_merge_kernel`) merges the splits by log-sum-exp (FlashInfer's merge_state), exactly.
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..ops import attention_layout_problem
-from .quantize import key_block_table, key_rows_per_chunk, to_storage, wide_row_table
+from .quantize import key_block_table, key_rows_per_chunk, to_storage, wide_channel_table, wide_row_table
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -226,12 +231,13 @@ def _channel_key_meta(mblk, smk_g, smk_2, live, QD: tl.constexpr):
 
 
 @triton.jit
-def _channel_plane(s, bias, q, plane, scale, minimum, UPCAST: tl.constexpr):
+def _channel_plane(s, bias, q, qp, plane, scale, minimum, UPCAST: tl.constexpr):
     """Adds quarter plane p (codes·4^p, see `_planes`) of channel-wise keys to the scores `s` and the products of
-    its minima with the query to `bias` [M, D/4] (reduced once per tile, not per plane); `scale` carries 4^-p."""
-    qf = q.to(tl.float32)
-    s += _dot((qf * scale[None, :]).to(tl.float16), tl.trans(plane), UPCAST)
-    bias += qf * minimum[None, :]
+    its minima with the query to `bias` [M, D/4] (reduced once per tile, not per plane); `scale` carries 4^-p.
+    `qp`: the query paired with each slot's code (wide key channels: slot c holds a code of channel π(c), so its
+    scale meets q_π(c) while its minimum meets q_c); `q` itself without wide key channels."""
+    s += _dot((qp.to(tl.float32) * scale[None, :]).to(tl.float16), tl.trans(plane), UPCAST)
+    bias += q.to(tl.float32) * minimum[None, :]
     return s, bias
 
 
@@ -298,38 +304,41 @@ def _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPC
 
 
 @triton.jit
-def _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """Scores [M, BLOCK_N] of unpacked key planes under one block's per-channel (scale, minimum):
-    q·k = Σ_c (q_c s_c)·code_c + Σ_c q_c m_c."""
+    q·k = Σ_c (q_π(c) s_c)·code_c + Σ_c q_c m_c (`qp`: the paired query planes, see `_channel_plane`)."""
     QD: tl.constexpr = k0.shape[1]
     s = tl.zeros((q0.shape[0], BLOCK_N), tl.float32)
     bias = tl.zeros((q0.shape[0], QD), tl.float32)
-    s, bias = _channel_plane(s, bias, q0, k0, ks0, km0, UPCAST)
-    s, bias = _channel_plane(s, bias, q1, k1, ks1, km1, UPCAST)
-    s, bias = _channel_plane(s, bias, q2, k2, ks2, km2, UPCAST)
-    s, bias = _channel_plane(s, bias, q3, k3, ks3, km3, UPCAST)
+    s, bias = _channel_plane(s, bias, q0, qp0, k0, ks0, km0, UPCAST)
+    s, bias = _channel_plane(s, bias, q1, qp1, k1, ks1, km1, UPCAST)
+    s, bias = _channel_plane(s, bias, q2, qp2, k2, ks2, km2, UPCAST)
+    s, bias = _channel_plane(s, bias, q3, qp3, k3, ks3, km3, UPCAST)
     return s + tl.sum(bias, axis=1)[:, None]
 
 
 @triton.jit
-def _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N: tl.constexpr,
-                    UPCAST: tl.constexpr, ASM: tl.constexpr):
+def _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
     """Scores [M, BLOCK_N] of one tile of channel-wise keys (`_channel_dots` on the tile's unpacked codes)."""
     k0, k1, k2, k3 = _planes(ck, ASM)
-    return _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST)
+    return _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                         BLOCK_N, UPCAST)
 
 
 @triton.jit
-def _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+def _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
                           ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                           ASM: tl.constexpr):
     """`_channel_scores` for a tile over two key blocks: its first half under meta (ks, km), its second under
     (ls, lm). The codes are unpacked once; each half's scaled queries make their own dots over all the tile's planes
     (the MMA tile is the key tile either way), and each token keeps its half's scores."""
     k0, k1, k2, k3 = _planes(ck, ASM)
-    s = _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST)
-    t = _channel_dots(q0, q1, q2, q3, k0, k1, k2, k3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST)
+    s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                      BLOCK_N, UPCAST)
+    t = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3,
+                      BLOCK_N, UPCAST)
     first = tl.arange(0, BLOCK_N) < BLOCK_N // 2
     return tl.where(first[None, :], s, t)
 
@@ -338,10 +347,11 @@ def _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
 def _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                      ASM: tl.constexpr):
     """`s` plus the scores of a wide head's low key plane `lk`: the block's channel-wise dots with a quarter of each
-    scale and no minimum (x̂ = h·S + m + l·S/4, `oscar_hf.quant`, "wide heads")."""
+    scale and no minimum (x̂ = h·S + m + l·S/4, `oscar_hf.quant`, "wide heads"; a wide head has no wide key
+    channels: each slot pairs with its own query)."""
     z = ks0 * 0.0
-    return s + _channel_scores(q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z, ks3 * 0.25, z,
-                               BLOCK_N, UPCAST, ASM)
+    return s + _channel_scores(q0, q1, q2, q3, q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z,
+                               ks3 * 0.25, z, BLOCK_N, UPCAST, ASM)
 
 
 @triton.jit
@@ -349,8 +359,9 @@ def _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, 
                            UPCAST: tl.constexpr, ASM: tl.constexpr):
     """`_wide_key_scores` for a tile over two key blocks (`_channel_scores_split`)."""
     z = ks0 * 0.0
-    return s + _channel_scores_split(q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z, ks3 * 0.25, z,
-                                     ls0 * 0.25, z, ls1 * 0.25, z, ls2 * 0.25, z, ls3 * 0.25, z, BLOCK_N, UPCAST, ASM)
+    return s + _channel_scores_split(q0, q1, q2, q3, q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z,
+                                     ks3 * 0.25, z, ls0 * 0.25, z, ls1 * 0.25, z, ls2 * 0.25, z, ls3 * 0.25, z,
+                                     BLOCK_N, UPCAST, ASM)
 
 
 @triton.jit
@@ -363,7 +374,7 @@ def _wide_values(p, lv, vs, acc0, acc1, acc2, acc3, UPCAST: tl.constexpr, ASM: t
 
 @triton.jit
 def _int2_range_words(
-    q0, q1, q2, q3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+    q0, q1, q2, q3, qp0, qp1, qp2, qp3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, sc_b, sc_h, sc_t, sc_d,
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
     mk_ptr, smk_b, smk_c, smk_t, smk_g, kinv, koffset, split,
@@ -384,7 +395,8 @@ def _int2_range_words(
     reads the row of its second half, with the tile's other loads (masked off for other heads: the load waits on the
     same round trip), and computes its scores in a branch that other heads skip (`_channel_scores_split`). `WIDE`:
     the layer has wide heads; `wide_row` (runtime, per program): this head's low-plane codes row, or -1 (its low
-    key and value planes add their dots in a branch other heads skip)."""
+    key and value planes add their dots in a branch other heads skip). `qp0..qp3`: the query planes paired with the
+    key slots' codes (wide key channels, `_channel_plane`; the query planes themselves without)."""
     QD: tl.constexpr = D // 4
     HALF: tl.constexpr = BLOCK_N // 2
     dq = tl.arange(0, QD)
@@ -434,12 +446,14 @@ def _int2_range_words(
         ok = idx < hi
         if KEY_SPLIT:
             if split:
-                s = _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                                          ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+                s = _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
+                                          km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
             else:
-                s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+                s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                                    BLOCK_N, UPCAST, ASM)
         else:
-            s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+            s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                                BLOCK_N, UPCAST, ASM)
         if WIDE:
             if wide_row >= 0:
                 lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
@@ -469,7 +483,7 @@ def _int2_range_words(
 
 @triton.jit
 def _int2_range(
-    q0, q1, q2, q3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+    q0, q1, q2, q3, qp0, qp1, qp2, qp3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
     ck_ptr, sc_b, sc_h, sc_t, sc_d,
     cv_ptr, scv_b, scv_h, scv_t, scv_d,
     mk_ptr, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, split,
@@ -481,8 +495,8 @@ def _int2_range(
     """Online softmax over history tokens [lo, hi). Key meta: token-wise `[B, H, L, G, 2]`, or (`KEY_CHUNK` > 0)
     channel-wise `[B, n_chunks, R, d, 2]` (`smk_h` then is the chunk stride; this head's rows start at `koffset`,
     one per block of 1/`kinv` tokens; `split`: this head's block is half the tile, see `_int2_range_words`).
-    `WIDE`, `wide_row`: wide heads (channel-wise keys and one value group only: the launcher checks), as in
-    `_int2_range_words`."""
+    `WIDE`, `wide_row`: wide heads (channel-wise keys and one value group only: the launcher checks), and `qp0..qp3`
+    (channel-wise keys' paired query planes), as in `_int2_range_words`."""
     QD: tl.constexpr = D // 4
     HALF: tl.constexpr = BLOCK_N // 2
     dq = tl.arange(0, QD)
@@ -524,11 +538,11 @@ def _int2_range(
                     _key_meta_row(base_mk, start + HALF, kinv, smk_h, smk_t, KEY_CHUNK), smk_g, smk_2,
                     start + HALF < split_hi, QD)
                 if split:
-                    s = _channel_scores_split(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                                              ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+                    s = _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2,
+                                              ks3, km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
                 else:
-                    s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST,
-                                        ASM)
+                    s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
+                                        km3, BLOCK_N, UPCAST, ASM)
                 if WIDE:
                     if wide_row >= 0:
                         lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
@@ -538,7 +552,8 @@ def _int2_range(
                         else:
                             s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
             else:
-                s = _channel_scores(q0, q1, q2, q3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3, BLOCK_N, UPCAST, ASM)
+                s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
+                                    BLOCK_N, UPCAST, ASM)
                 if WIDE:
                     if wide_row >= 0:
                         lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
@@ -582,6 +597,18 @@ def _int2_range(
 
 
 @triton.jit
+def _paired_query_plane(q_base, sq_d, row_ok, PLANE: tl.constexpr, n_wide, scale, D: tl.constexpr):
+    """Quarter plane PLANE of the query paired with the key slots (wide key channels,
+    `oscar_hf.quant.paired_channels`: slot c holds a code of channel c, or of c − (D − n) in the last n slots), in
+    fp16 pre-scaled like h0..h3."""
+    QD: tl.constexpr = D // 4
+    slots = PLANE * QD + tl.arange(0, QD)
+    paired = tl.where(slots >= D - n_wide, slots - (D - n_wide), slots)
+    q = tl.load(q_base + paired[None, :] * sq_d, mask=row_ok[:, None], other=0.0)
+    return (q.to(tl.float32) * scale).to(tl.float16)
+
+
+@triton.jit
 def _segment_attention_kernel(
     q_ptr, sq_b, sq_h, sq_m, sq_d,
     o_ptr, so_b, so_h, so_m, so_s, so_d,
@@ -589,7 +616,7 @@ def _segment_attention_kernel(
     sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
     codes_k, sc_b, sc_h, sc_t, sc_d,
     codes_v, scv_b, scv_h, scv_t, scv_d,
-    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table, wide_table,
+    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table, wide_table, channel_table,
     meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
     rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
     ext_k, ext_v, se_b, se_h, se_t, se_d,
@@ -601,7 +628,7 @@ def _segment_attention_kernel(
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
     META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr, KEY_SPLIT: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -673,16 +700,27 @@ def _segment_attention_kernel(
         qs1 = tl.sum(h1.to(tl.float32), axis=1)
         qs2 = tl.sum(h2.to(tl.float32), axis=1)
         qs3 = tl.sum(h3.to(tl.float32), axis=1)
+        if WIDE_CHANNELS:
+            # channel-wise keys with wide key channels (`channel_table` [H] int32: n per head): key slot c holds a
+            # code of channel π(c) (c, or c − (D − n) in the last n slots), so its scale meets the query gathered
+            # by π, loaded and pre-scaled as h0..h3 (`_channel_plane`)
+            n_wide = tl.load(channel_table + h)
+            g0 = _paired_query_plane(q_base, sq_d, row_ok, 0, n_wide, scale, D)
+            g1 = _paired_query_plane(q_base, sq_d, row_ok, 1, n_wide, scale, D)
+            g2 = _paired_query_plane(q_base, sq_d, row_ok, 2, n_wide, scale, D)
+            g3 = _paired_query_plane(q_base, sq_d, row_ok, 3, n_wide, scale, D)
+        else:
+            g0, g1, g2, g3 = h0, h1, h2, h3
         if META_WORDS:
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range_words(
-                h0, h1, h2, h3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                h0, h1, h2, h3, g0, g1, g2, g3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
                 meta_k, smk_b, smk_h, smk_t, smk_g, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t,
                 b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, wide_row, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST,
                 PTX_UNPACK, PREFETCH, L2_AHEAD, KEY_SPLIT, WIDE)
         else:
             m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
-                h0, h1, h2, h3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                h0, h1, h2, h3, g0, g1, g2, g3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
                 codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
                 meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
                 sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, wide_row, D, GROUPS, KEY_CHUNK, BLOCK_N,
@@ -836,7 +874,7 @@ def _sm_count(device: torch.device) -> int:
 def segment_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(),
-    key_chunk: int = 0, wide_rows=(), block_n: int | None = None, num_warps: int | None = None,
+    key_chunk: int = 0, wide_rows=(), wide_channels=(), block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
     l2_ahead: int | None = None,
 ):
@@ -844,14 +882,14 @@ def segment_attention_triton(
     return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
                    extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
                    queries_per_group, scale, key_blocks, key_chunk, block_n, num_warps, num_stages, target_programs,
-                   prefetch, l2_ahead, wide_rows=wide_rows)
+                   prefetch, l2_ahead, wide_rows=wide_rows, wide_channels=wide_channels)
 
 
 def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
     queries_per_group, scale, key_blocks=(), key_chunk: int = 0, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
-    l2_ahead: int | None = None, value_rotation=None, wide_rows=(),
+    l2_ahead: int | None = None, value_rotation=None, wide_rows=(), wide_channels=(),
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
@@ -860,13 +898,14 @@ def decode_attention_triton(
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
                      sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_blocks,
                      key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation,
-                     wide_rows)
+                     wide_rows, wide_channels)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
-            num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None, wide_rows=()):
+            num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None, wide_rows=(),
+            wide_channels=()):
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
@@ -875,6 +914,10 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     if problem:
         raise ValueError(problem)
     wide_table = wide_row_table(wide_rows, h, q.device)  # cached: no tensor made on later calls
+    channel_table = wide_channel_table(wide_channels, h, d, wide_rows, q.device)  # cached likewise
+    if channel_table is not None and not key_chunk:
+        raise ValueError(f"wide key channels {list(wide_channels)} are a layout of channel-wise keys, not of "
+                         f"token-wise key rows")
     extra_rows = 0 if wide_table is None else sum(int(r) >= 0 for r in wide_rows)
     if hist_codes_k.shape[1] != h + extra_rows or hist_codes_v.shape[1] != h + extra_rows:
         raise ValueError(f"history codes have {hist_codes_k.shape[1]} / {hist_codes_v.shape[1]} head rows for {h} KV "
@@ -940,6 +983,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         hist_codes_k, *hist_codes_k.stride(),
         hist_codes_v, *hist_codes_v.stride(),
         hist_meta_k, *hist_meta_k.stride(), key_table, hist_codes_k if wide_table is None else wide_table,
+        hist_codes_k if channel_table is None else channel_table,
         hist_meta_v, *hist_meta_v.stride(),
         recent_k, recent_v, *recent_k.stride(),
         extra_k, extra_v, *extra_k.stride(),
@@ -951,7 +995,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
         META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        WIDE_CHANNELS=channel_table is not None, num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)

@@ -15,7 +15,8 @@
   sink_tokens, ring)`: a static cache's decode-step store (one token rotated into its sink or ring slot, the
   position read on the device). Returns the rotated `[2, B, H, 1, d]`.
 Every op takes `wide_rows` (`oscar_hf.quant.wide_rows`: wide heads at 4 bits, their low planes in the codes' rows after
-the H KV heads; empty: none).
+the H KV heads; empty: none) and, but `rotate_store_token`, `wide_channels` (channel-wise keys: each KV head's wide key
+channels, `oscar_hf.quant.quantize_wide_channels`; empty: none).
 Their pure-torch twins with the same signatures are `oscar_hf.ops.quantize_pack_reference`,
 `oscar_hf.ops.quantize_pack_at_reference`,
 `oscar_hf.ops.segment_attention_reference`, `oscar_hf.ops.decode_attention_reference` and
@@ -38,28 +39,30 @@ __all__ = ["EAGER", "decode_attention", "quantize_pack", "quantize_pack_at", "ro
 @torch.library.custom_op("oscar::quantize_pack", mutates_args=("codes", "meta"))
 def quantize_pack(
     x: torch.Tensor, rotation: Optional[torch.Tensor], clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor,
-    start: int, key_blocks: list[int], key_chunk: int, wide_rows: list[int],
+    start: int, key_blocks: list[int], key_chunk: int, wide_rows: list[int], wide_channels: list[int],
 ) -> None:
-    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows=wide_rows)
+    quantize_pack_triton(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows=wide_rows,
+                         wide_channels=wide_channels)
 
 
 @quantize_pack.register_fake
-def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows) -> None:
+def _(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows, wide_channels) -> None:
     return None
 
 
 def _quantize_pack_at(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-    key_blocks: list[int], key_chunk: int, ring: int, wide_rows: list[int],
+    key_blocks: list[int], key_chunk: int, ring: int, wide_rows: list[int], wide_channels: list[int],
 ) -> None:
-    quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring, wide_rows=wide_rows)
+    quantize_pack_triton(x, None, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring=ring, wide_rows=wide_rows,
+                         wide_channels=wide_channels)
 
 
 quantize_pack_at = torch.library.custom_op("oscar::quantize_pack_at", _quantize_pack_at, mutates_args=("codes", "meta"))
 
 
 @quantize_pack_at.register_fake
-def _(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows) -> None:
+def _(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows, wide_channels) -> None:
     return None
 
 
@@ -73,18 +76,19 @@ def segment_attention(
     key_mask: Optional[torch.Tensor],
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
     queries_per_group: int, query_start: int, scale: float, key_blocks: list[int], key_chunk: int, wide_rows: list[int],
+    wide_channels: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return segment_attention_triton(
         q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
         key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks, key_chunk,
-        wide_rows,
+        wide_rows, wide_channels=wide_channels,
     )
 
 
 @segment_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
       key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks, key_chunk,
-      wide_rows):
+      wide_rows, wide_channels):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -95,11 +99,11 @@ def _decode_attention(
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: Optional[torch.Tensor], lengths: torch.Tensor,
     queries_per_group: int, scale: float, key_blocks: list[int], key_chunk: int, wide_rows: list[int],
-    value_rotation: Optional[torch.Tensor] = None,
+    wide_channels: list[int], value_rotation: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return decode_attention_triton(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k,
                                    ring_v, key_mask, lengths, queries_per_group, scale, key_blocks, key_chunk,
-                                   value_rotation=value_rotation, wide_rows=wide_rows)
+                                   value_rotation=value_rotation, wide_rows=wide_rows, wide_channels=wide_channels)
 
 
 decode_attention = torch.library.custom_op("oscar::decode_attention", _decode_attention, mutates_args=())
@@ -107,7 +111,7 @@ decode_attention = torch.library.custom_op("oscar::decode_attention", _decode_at
 
 @decode_attention.register_fake
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-      queries_per_group, scale, key_blocks, key_chunk, wide_rows, value_rotation=None):
+      queries_per_group, scale, key_blocks, key_chunk, wide_rows, wide_channels, value_rotation=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -13,6 +13,11 @@ device table, `key_block_table`).
 Wide heads (`wide_row_table`: per KV head the codes row of its low plane, or -1): both kernels quantize those heads'
 rows with 15 levels and store the 4-bit code c = 4·h + l as the high plane h in the head's row and the low plane l in
 its extra row, the meta's scale being the high plane's, 4·s (`oscar_hf.quant`, "wide heads").
+Wide key channels (channel-wise keys; `wide_channel_table`: per KV head its n wide key channels): channels j < n of the
+head are quantized like a wide head's (15 levels, stored scale 4·s_j) and keep their high plane in slot j; slot
+d − n + j gets channel j's low plane, stored under (s_j, μ), μ the block mean of that slot's own channel
+(`oscar_hf.quant.quantize_wide_channels`). The channel-wise kernel quantizes every channel in place and then gathers
+the low planes into their slots (`tl.gather` of the tile's codes): the rows, rotated or not, are read as before.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import KeyBlockLayout, check_wide_rows
+from ..quant import KeyBlockLayout, check_wide_channels, check_wide_rows
 
 
 @triton.jit
@@ -54,6 +59,17 @@ def _scale_minimum(lo, hi, META: tl.constexpr, wide):
         scale = tl.minimum(tl.maximum((hi - lo) / levels, 6.103515625e-05), tl.where(wide, 16376.0, 65504.0)).to(tl.float16)
         minimum = tl.minimum(tl.maximum(lo, -65504.0), 65504.0).to(tl.float16)
     return scale, minimum
+
+
+@triton.jit
+def _meta_value(v, META: tl.constexpr):
+    """A float32 value rounded to the metadata dtype, clamped to its range (as `_scale_minimum`'s minimum)."""
+    if META == 1:
+        return v.to(tl.bfloat16)
+    elif META == 2:
+        return v
+    else:
+        return tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -97,7 +113,7 @@ def _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d,
 
 @triton.jit
 def _quantize_pack_channels_kernel(
-    x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr, wide_ptr,
+    x_ptr, rot_ptr, codes_ptr, meta_ptr, table_ptr, wide_ptr, channels_ptr,
     heads, start_chunk, start, start_ptr,
     sx_b, sx_h, sx_t, sx_d,
     sr_h, sr_i, sr_j,
@@ -105,7 +121,7 @@ def _quantize_pack_channels_kernel(
     sm_b, sm_c, sm_r, sm_d, sm_2,
     D: tl.constexpr, KEY_CHUNK: tl.constexpr, SUB: tl.constexpr,
     ROTATE: tl.constexpr, STORE_BF16: tl.constexpr, META: tl.constexpr, UPCAST: tl.constexpr,
-    DEVICE_START: tl.constexpr, X_RING: tl.constexpr, ring_size, WIDE: tl.constexpr,
+    DEVICE_START: tl.constexpr, X_RING: tl.constexpr, ring_size, WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr,
 ):
     # One program per (chunk of KEY_CHUNK tokens, batch·head). Head h splits the chunk into blocks of `block` tokens
     # (`table_ptr` [H, 2] int32: block, first meta row of the head within a chunk); per block, pass 1 finds each
@@ -114,6 +130,10 @@ def _quantize_pack_channels_kernel(
     # DEVICE_START: the first row is read on the device (a static cache's decode step); negative: write nothing.
     # X_RING: x is a ring of `ring_size` slots, history row j at slot j mod ring_size (the static cache's BF16 ring,
     # read in place rather than gathered first: one launch fewer per layer and step).
+    # WIDE_CHANNELS (`channels_ptr` [H] int32: n per head): channels j < n at 15 levels, the high plane in slot j
+    # (stored scale 4·s_j), the low plane gathered into slot D − n + j, whose meta is (s_j, its own channel's block
+    # mean). The mean sums in float64, exact whatever the order for 16-bit values (a float32 sum's last bit depends
+    # on its order, which no twin can reproduce), then is divided by the block and rounded to float32.
     if DEVICE_START:
         start = tl.load(start_ptr)
         if start < 0:
@@ -131,6 +151,13 @@ def _quantize_pack_channels_kernel(
         wide_row = -1
     wide = wide_row >= 0
     cols = tl.arange(0, D)
+    if WIDE_CHANNELS:
+        n_wide = tl.load(channels_ptr + h)
+        low_slot = cols >= D - n_wide  # slots of the 4-bit channels' low planes: meta (s_j, block mean)
+        paired = tl.where(low_slot, cols - (D - n_wide), cols)  # the channel whose code each slot holds
+        four = wide | (cols < n_wide)  # channels quantized at 15 levels (a wide head: all of them)
+    else:
+        four = wide
     if ROTATE:  # loaded once for every block of the chunk, both passes
         r = tl.load(rot_ptr + h * sr_h + cols[:, None] * sr_i + cols[None, :] * sr_j)
     else:
@@ -142,23 +169,38 @@ def _quantize_pack_channels_kernel(
         first = pid_c * KEY_CHUNK + j * block  # the block's first row of x
         lo = tl.full((D,), float("inf"), tl.float32)
         hi = tl.full((D,), float("-inf"), tl.float32)
+        if WIDE_CHANNELS:
+            total = tl.zeros((D,), tl.float64)
         for t0 in range(0, block, SUB):
             rows = first + t0 + tl.arange(0, SUB)
             xrows = (start + rows) % ring_size if X_RING else rows
             x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
             lo = tl.minimum(lo, tl.min(x, axis=0))
             hi = tl.maximum(hi, tl.max(x, axis=0))
-        scale, minimum = _scale_minimum(lo, hi, META, wide)
+            if WIDE_CHANNELS:
+                total += tl.sum(x.to(tl.float64), axis=0)
+        scale, minimum = _scale_minimum(lo, hi, META, four)
         meta_base = meta_chunk + (offset + j) * sm_r
-        tl.store(meta_base, _stored_scale(scale, wide))
-        tl.store(meta_base + sm_2, minimum)
+        if WIDE_CHANNELS:
+            mean = _meta_value((total / block).to(tl.float32), META)
+            tl.store(meta_base, _stored_scale(scale, four), mask=~low_slot)
+            tl.store(meta_base + (D - n_wide) * sm_d, scale, mask=cols < n_wide)  # s_j into slot D − n + j
+            tl.store(meta_base + sm_2, tl.where(low_slot, mean, minimum))
+        else:
+            tl.store(meta_base, _stored_scale(scale, wide))
+            tl.store(meta_base + sm_2, minimum)
         s = scale.to(tl.float32)
         m = minimum.to(tl.float32)
         for t0 in range(0, block, SUB):
             rows = first + t0 + tl.arange(0, SUB)
             xrows = (start + rows) % ring_size if X_RING else rows
             x = _rotated_rows(x_ptr, r, b, h, xrows, xrows >= 0, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
-            codes, low = _wide_codes(x, s[None, :], m[None, :], wide)
+            if WIDE_CHANNELS:
+                codes, low = _wide_codes(x, s[None, :], m[None, :], four[None, :])
+                index = tl.broadcast_to(paired[None, :], (SUB, D))
+                codes = tl.where(low_slot[None, :], tl.gather(low, index, axis=1), codes)
+            else:
+                codes, low = _wide_codes(x, s[None, :], m[None, :], wide)
             codes = tl.reshape(codes, (SUB, 4, D // 4))
             packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)  # disjoint bits: the sum is the bitwise or
             tl.store(codes_ptr + b * sc_b + h * sc_h + (start + rows)[:, None] * sc_t + qcols[None, :] * sc_d, packed)
@@ -304,6 +346,24 @@ def wide_row_table(wide_rows, heads: int, device: torch.device) -> torch.Tensor 
     return table
 
 
+_WIDE_CHANNEL_TABLES: dict = {}
+
+
+def wide_channel_table(wide_channels, heads: int, head_dim: int, wide_rows,
+                       device: torch.device) -> torch.Tensor | None:
+    """The int32 `[H]` device table of each KV head's wide key channels (`oscar_hf.quant.check_wide_channels`), or
+    None when no head has any. Cached like `key_block_table`."""
+    counts = tuple(int(n) for n in wide_channels)
+    if not any(counts):
+        return None
+    key = (counts, int(head_dim), tuple(int(r) for r in wide_rows), device)
+    table = _WIDE_CHANNEL_TABLES.get(key)
+    if table is None:
+        counts = check_wide_channels(counts, heads, head_dim, check_wide_rows(key[2], heads))
+        table = _WIDE_CHANNEL_TABLES[key] = torch.tensor(counts, dtype=torch.int32, device=device)
+    return table
+
+
 def key_rows_per_chunk(key_blocks, key_chunk: int) -> int:
     """R: key meta rows per chunk, all heads together."""
     return KeyBlockLayout(tuple(key_blocks), int(key_chunk)).rows_per_chunk
@@ -319,6 +379,7 @@ def quantize_pack_triton(
     key_blocks=(),
     key_chunk: int = 0,
     wide_rows=(),
+    wide_channels=(),
     tiles_per_program: int | None = None,
     ring: int = 0,
 ) -> None:
@@ -330,9 +391,14 @@ def quantize_pack_triton(
     kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range).
     `ring` > 0 (channel-wise, device `start`): x `[B, H, >= ring, d]` is a ring, history row j at slot j mod ring, and
     the one chunk of rows [start, start + key_chunk) is read from it. `wide_rows`: wide heads, their low planes in
-    the codes' rows after the H heads (`[B, H + U, L, d/4]`)."""
+    the codes' rows after the H heads (`[B, H + U, L, d/4]`). `wide_channels` (channel-wise only): each KV head's
+    wide key channels (`quant.quantize_wide_channels`; empty: none)."""
     b, h, n, d = x.shape
     wide = wide_row_table(wide_rows, h, x.device)
+    channels = wide_channel_table(wide_channels, h, d, wide_rows, x.device)
+    if channels is not None and not key_chunk:
+        raise ValueError(f"wide key channels {list(wide_channels)} are a layout of channel-wise keys, not of "
+                         f"token-wise rows")
     if codes.shape[1] != h + (0 if wide is None else sum(int(r) >= 0 for r in wide_rows)):
         raise ValueError(f"codes have {codes.shape[1]} head rows for {h} KV heads and wide rows {list(wide_rows)}")
     wide_ptr = codes if wide is None else wide  # never read without wide heads
@@ -358,11 +424,13 @@ def quantize_pack_triton(
         table = key_block_table(key_blocks, key_chunk, x.device)
         sub = math.gcd(16 if d >= 256 else 32, *(int(bk) for bk in key_blocks))  # divides every block
         _quantize_pack_channels_kernel[(n // key_chunk, b * h)](
-            x, rot, codes, meta, table, wide_ptr, h, start // key_chunk, start, start_ptr,
+            x, rot, codes, meta, table, wide_ptr, codes if channels is None else channels,
+            h, start // key_chunk, start, start_ptr,
             *x.stride(), *rot.stride(), *codes.stride(), *meta.stride(),
             D=d, KEY_CHUNK=key_chunk, SUB=sub, ROTATE=rotation is not None, STORE_BF16=x.dtype == torch.bfloat16,
             META=_META_CODES[meta.dtype], UPCAST=upcast, DEVICE_START=device_start, X_RING=ring > 0, ring_size=max(ring, 1),
-            WIDE=wide is not None, num_stages=1,  # no pipelined copies of the rotation
+            WIDE=wide is not None, WIDE_CHANNELS=channels is not None,
+            num_stages=1,  # no pipelined copies of the rotation
         )
         return
     groups = meta.shape[3]

@@ -58,10 +58,11 @@ def oscar_segment_attention(
     hist_k, hist_v = view.history_keys, view.history_values
     key_layout = ((list(hist_k.layout.blocks), hist_k.layout.chunk) if isinstance(hist_k, QuantizedKeyChunks)
                   else ([], 0))
-    wide = []
+    wide, wide_channels = [], []
     if not isinstance(hist_k, torch.Tensor) and hist_k.bits == 2:
         codes_k, meta_k, codes_v, meta_v = hist_k.codes, hist_k.meta, hist_v.codes, hist_v.meta
         wide = list(hist_k.wide_rows)
+        wide_channels = list(getattr(hist_k, "wide_channels", ()))
     else:
         # Other widths: the history joins the sink as one dense segment (positions stay contiguous).
         if query.is_cuda and not isinstance(hist_k, torch.Tensor):
@@ -83,7 +84,7 @@ def oscar_segment_attention(
             q_rot[:, :, :, t0:t1].reshape(b, heads, groups * (t1 - t0), d), sink_k, sink_v, codes_k, meta_k, codes_v,
             meta_v, view.recent_keys, view.recent_values, extra_k, extra_v, key_mask,
             sink_k.shape[2], codes_k.shape[2], view.recent_keys.shape[2], n_extra, t1 - t0, view.past_length + t0, scale,
-            *key_layout, wide,
+            *key_layout, wide, wide_channels,
         )
         outs.append(block.reshape(b, heads, groups, t1 - t0, d))
     out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
@@ -137,7 +138,8 @@ def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Ten
             q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
             values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
             mask, layer.plan.lengths, t, scale, *keys.kernel_key_layout,
-            value_rotation=layer.value_rotation, wide_rows=keys.wide, kernel=layer.kernel,
+            value_rotation=layer.value_rotation, wide_rows=keys.wide, wide_channels=keys.wide_channels,
+            kernel=layer.kernel,
         )
 
     mask = key_padding_mask(attention_mask)

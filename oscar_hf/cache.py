@@ -159,6 +159,8 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         key_blocks: channel-wise key block of each KV head (`OscarConfig.key_blocks`); None: `config.key_block`.
         head_bits: history bits of each KV head (`OscarConfig.head_bits`: 2, or 4 for the wide heads calibration
             picked; 2-bit histories only); None: `config.bits` everywhere.
+        key_wide_channels: wide key channels of each KV head (`OscarConfig.key_wide_channels`; 2-bit channel-wise
+            keys, `quant.quantize_wide_channels`: the key rotation sorts each head's channels for them); None: none.
     """
 
     is_compileable = False
@@ -176,6 +178,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         key_mean: torch.Tensor | None = None,
         key_blocks: tuple[int, ...] | None = None,
         head_bits: tuple[int, ...] | None = None,
+        key_wide_channels: tuple[int, ...] | None = None,
     ):
         super().__init__()
         if key_mean is not None and tuple(key_mean.shape) != tuple(key_rotation.shape[:2]):
@@ -191,6 +194,9 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         if head_bits is not None and len(head_bits) != heads:
             raise ValueError(f"OscarLayer: {len(head_bits)} head bits for {heads} KV heads")
         self.wide = wide_rows(head_bits) if head_bits is not None and config.bits == 2 else ()
+        if key_wide_channels is not None and len(key_wide_channels) != heads:
+            raise ValueError(f"OscarLayer: {len(key_wide_channels)} wide key channel counts for {heads} KV heads")
+        self.key_wide_channels = tuple(key_wide_channels or ())
         self.config = config
         self.key_clip, self.value_clip = float(key_clip), float(value_clip)
         self._key_rotation_master = key_rotation
@@ -208,7 +214,7 @@ class OscarLayer(BatchOpsMixin, CacheLayerMixin):
         d, cfg = self._key_rotation_master.shape[-1], self.config
         group = cfg.group_size or d
         self.history_keys = QuantizedHistory(cfg.bits, cfg.key_granularity, group, self.key_layout, cfg.scale_dtype,
-                                             self.key_clip, d, self.wide)
+                                             self.key_clip, d, self.wide, self.key_wide_channels)
         self.history_values = QuantizedHistory(cfg.bits, "token", group, None, cfg.scale_dtype, self.value_clip, d,
                                                self.wide)
 
@@ -564,9 +570,14 @@ class OscarCache(Cache):
         geometry = rotations.validate_for(model_config)
         if hasattr(model, "named_parameters"):  # rotations calibrated on other weights of the same shapes
             rotations.check_fingerprint(model, strict=not allow_other_weights)
-        if config is None:
-            config = OscarConfig(**rotations.layout)  # the layout the rotations and clips were fitted for
+        if config is None:  # the layout the rotations and clips were fitted for, with the file's key channel widths
+            config = OscarConfig(**rotations.layout, **({"key_channel_bits": "fitted"} if rotations.key_wide_channels
+                                                        else {}))
         else:
+            if rotations.key_wide_channels and config.key_channel_bits != "fitted" and config.bits < 16:
+                warnings.warn("OscarCache: the rotations sort each head's key channels for wide key channels, which "
+                              f"this config does not use (key_channel_bits={config.key_channel_bits!r}): keys are "
+                              "stored at 2 bits in every channel of that basis", RuntimeWarning, stacklevel=2)
             differs = {k: (getattr(config, k), v) for k, v in rotations.layout.items() if getattr(config, k) != v}
             if differs and config.bits < 16 and not rotations.metadata.get("method", {}).get("data_free"):
                 warnings.warn(
@@ -617,6 +628,11 @@ class OscarCache(Cache):
         heads = self._local_heads(i, rotations.key_rotations[i]).shape[0]
         return config.head_bits(heads, self._local_heads(i, rotations.head_bit(i)))
 
+    def _key_wide_channels(self, i: int, rotations: OscarRotations, config: OscarConfig) -> tuple[int, ...] | None:
+        """The wide key channels of each KV head of layer `i` on this rank (the file's; `OscarConfig.key_wide_channels`)."""
+        heads = self._local_heads(i, rotations.key_rotations[i]).shape[0]
+        return config.key_wide_channels(heads, self._local_heads(i, rotations.key_wide_channel(i)))
+
     def _make_layers(self, geometry, rotations: OscarRotations, config: OscarConfig, max_cache_len: int | None):
         layers: list[CacheLayerMixin] = []
         for i, kind in enumerate(geometry.plan):
@@ -624,7 +640,8 @@ class OscarCache(Cache):
                 layers.append(OscarLayer(*self._layer_arguments(i, rotations, config), max_cache_len,
                                          key_mean=self._local_heads(i, rotations.key_mean(i)),
                                          key_blocks=self._key_blocks(i, rotations, config),
-                                         head_bits=self._head_bits(i, rotations, config)))
+                                         head_bits=self._head_bits(i, rotations, config),
+                                         key_wide_channels=self._key_wide_channels(i, rotations, config)))
             else:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=geometry.sliding_windows[i]))
         return layers

@@ -20,6 +20,13 @@
    reading attends most to the token after each token's first occurrence (the induction pattern by which a model
    retrieves what it has seen: `RetrievalProbe`) keep their history at 4 bits, as many as the bit budget pays for.
    The score needs no text, so it does not depend on the calibration domain.
+5. Wide key channels (`OscarConfig.key_channel_bits="fitted"`): a key error e moves a query's logit by q·e, so the
+   expected logit error is Σ_c E[q_c²]·E[e_c²] where the query second moment is diagonal, as it nearly is in the raw
+   post-RoPE channels (each RoPE pair, averaged over positions, is a multiple of the identity). Per 2-bit (layer,
+   KV head), the held-out queries give each raw channel its weight E[q_c²] (the GQA group pooled) and the held-out
+   keys its squared error D_c(b) stored over the head's key blocks at b = 0, 2, 4 bits (0: the block mean); a greedy
+   reverse water-filling gives the widths at 2 bits on average (`water_fill`), and the head's key rotation becomes
+   the permutation that sorts its channels [4-bit | 2-bit | 0-bit] (`quant.quantize_wide_channels`).
 """
 
 from __future__ import annotations
@@ -514,6 +521,91 @@ def calibration_sequences(tokenizer, config: OscarConfig, data=None):
     return sequences, heldout, data_info
 
 
+# ----------------------------------------------------------------------------------------------- wide key channels
+CHANNEL_WIDTHS = (0, 2, WIDE_BITS)  # the key channel widths the storage format holds (quant.py, "wide key channels")
+
+
+def channel_width_errors(keys: torch.Tensor, blocks, scale_dtype: str = "float16") -> torch.Tensor:
+    """Mean squared error `[H, d, len(CHANNEL_WIDTHS)]` (float64) of each channel of keys `[H, T, d]` (T a multiple
+    of every block) stored channel-wise over head h's blocks of `blocks[h]` tokens at each width (0 bits: the block
+    mean, rounded to the meta dtype like the stored one)."""
+    out = []
+    for head, block in enumerate(blocks):
+        k = keys[head].float()
+        t, d = k.shape
+        mean = k.reshape(t // block, block, d).mean(1, keepdim=True).to(getattr(torch, scale_dtype)).float()
+        errs = [(mean - k.reshape(t // block, block, d)).square().mean((0, 1))]
+        errs += [(fake_quantize_channels(k, b, block, scale_dtype).float() - k).square().mean(0) for b in CHANNEL_WIDTHS[1:]]
+        out.append(torch.stack(errs, -1))
+    return torch.stack(out).double()
+
+
+def water_fill(weights: torch.Tensor, errors: torch.Tensor, budget: int) -> torch.Tensor:
+    """Greedy reverse water-filling: channel widths `[d]` (values of CHANNEL_WIDTHS) summing to at most `budget`
+    bits that make Σ_c weights_c·errors[c, width_c] small: from 0 bits everywhere, each step raises the one channel
+    (to any wider width) with the largest weighted error drop per bit spent."""
+    widths = torch.tensor(CHANNEL_WIDTHS)
+    cost = weights.double()[:, None] * errors.double()  # [d, W]
+    level = torch.zeros(weights.shape[0], dtype=torch.long)  # index into widths
+    spent = 0
+    while True:
+        step = widths[None, :] - widths[level][:, None]
+        rate = (cost.gather(1, level[:, None]) - cost) / step.clamp(min=1)
+        rate = torch.where((step > 0) & (step <= budget - spent), rate, torch.full_like(rate, -float("inf")))
+        best = int(rate.argmax())
+        channel, choice = divmod(best, len(CHANNEL_WIDTHS))
+        if rate[channel, choice] == -float("inf"):
+            return widths[level]
+        spent += int(step[channel, choice])
+        level[channel] = choice
+
+
+def wide_channel_order(bits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(n, permutation `[d, d]` float64) from channel widths `[d]` in CHANNEL_WIDTHS: n = the 4-bit channels, each
+    paired with a 0-bit one (unpaired 0-bit channels, when the budget was not spent, are stored at 2 bits: the bytes
+    are there); columns ordered [4-bit | 2-bit | 0-bit], each group in channel order, so that k·P stores them as
+    `quant.quantize_wide_channels` expects."""
+    four = (bits == WIDE_BITS).nonzero().flatten()
+    zero = (bits == 0).nonzero().flatten()
+    n = min(len(four), len(zero))
+    four, zero = four[:n], zero[len(zero) - n :]
+    middle = [c for c in range(bits.shape[0]) if c not in set(four.tolist()) | set(zero.tolist())]
+    order = four.tolist() + middle + zero.tolist()
+    perm = torch.zeros(bits.shape[0], bits.shape[0], dtype=torch.float64)
+    perm[order, torch.arange(bits.shape[0])] = 1.0
+    return n, perm
+
+
+def allocate_wide_channels(query: torch.Tensor, key: torch.Tensor, blocks, config: OscarConfig,
+                           head_bits=None) -> tuple[tuple[int, ...], torch.Tensor | None, torch.Tensor]:
+    """One layer's wide key channels from one held-out sequence (query `[Hq, T, d]`, key `[H, T, d]` post-RoPE, raw
+    channels; centered if the cache centers): `(n per KV head, permutations [H, d, d] float64 or None for a head
+    left alone — the wide heads —, channel widths [H, d])`. Weights E[q_c²] pool the GQA group; errors come from the
+    keys the history would hold (after the sink, whole demotion blocks), at 2 bits per channel on average."""
+    hq, t, d = query.shape
+    h = key.shape[0]
+    start = min(config.sink_tokens, t)
+    end = start + (t - start) // config.demotion_block * config.demotion_block
+    if end == start:
+        raise ValueError(f"heldout_tokens ({t}) must cover a demotion block ({config.demotion_block}) after the sink "
+                         "for the key channel widths")
+    weights = query.double().reshape(h, hq // h, t, d).square().mean((1, 2)).cpu()
+    errors = channel_width_errors(key[:, start:end], blocks, config.scale_dtype).cpu()
+    counts, perms, widths = [], [], []
+    for head in range(h):
+        if head_bits is not None and head_bits[head] == WIDE_BITS:
+            counts.append(0)
+            perms.append(None)
+            widths.append(torch.full((d,), WIDE_BITS))
+            continue
+        bits = water_fill(weights[head], errors[head], config.bits * d)
+        n, perm = wide_channel_order(bits)
+        counts.append(n)
+        perms.append(perm)
+        widths.append(bits)
+    return tuple(counts), perms, torch.stack(widths)
+
+
 @dataclass
 class CalibrationReport:
     seconds: float
@@ -524,6 +616,7 @@ class CalibrationReport:
     clip_errors: dict[int, dict] = field(default_factory=dict)
     key_blocks: dict[int, tuple[int, ...]] | None = None
     head_bits: dict[int, tuple[int, ...]] | None = None
+    key_wide_channels: dict[int, tuple[int, ...]] | None = None
 
     def summary(self, fixed=(0.96, 0.92)) -> str:
         lines = [f"calibrated on {self.tokens} tokens (+{self.heldout_tokens} held out) in {self.seconds:.1f} s"]
@@ -534,6 +627,10 @@ class CalibrationReport:
         if self.head_bits:
             wide = [f"{layer}.{h}" for layer, bits in self.head_bits.items() for h, b in enumerate(bits) if b == WIDE_BITS]
             lines.append(f"wide heads at {WIDE_BITS} bits (layer.head): {', '.join(wide)}")
+        if self.key_wide_channels:
+            counts = [n for per_layer in self.key_wide_channels.values() for n in per_layer]
+            lines.append(f"wide key channels: {sum(counts)} channels at {WIDE_BITS} bits and as many at 0, in "
+                         f"{sum(n > 0 for n in counts)} of {len(counts)} KV heads (at most {max(counts)} in one)")
         if self.key_clips:
             lines.append("layer | key clip | key err (fitted / none / 0.96) | value clip | value err (fitted / none / 0.92)")
             for layer, curves in sorted(self.clip_errors.items()):
@@ -660,6 +757,25 @@ def calibrate(
     if config.wide_heads == "retrieval" and config.wide_layout:
         retrieval = retrieval_scores(model, tokenizer)
         head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, key_blocks)
+    key_wide_channels = channel_widths = None
+    if config.key_channel_bits == "fitted" and config.wide_channel_layout and heldout and config.bits < 16:
+        # (without held-out tokens there is nothing to weigh the channels on: 2 bits in each, like the key blocks)
+        key_wide_channels, channel_widths = {}, {}
+        for layer in geometry.oscar_layers:
+            q, k, _, _ = collector.record[layer]
+            if key_means is not None:
+                k = k - key_means[layer].to(k.device, k.dtype)[:, None, :]
+            heads = k.shape[0]
+            blocks = config.key_blocks(heads, None if key_blocks is None else key_blocks[layer])
+            counts, perms, widths = allocate_wide_channels(q, k, blocks, config,
+                                                           None if head_bits is None else head_bits[layer])
+            key_wide_channels[layer], channel_widths[layer] = counts, widths
+            key_rotations[layer] = torch.stack([r if p is None else p for r, p in
+                                                zip(key_rotations[layer].double().cpu(), perms)])
+            names = key_bases.setdefault(layer, ["calibrated"] * heads)
+            for h, p in enumerate(perms):
+                if p is not None:
+                    names[h] = "channels sorted by width"
     seconds = time.perf_counter() - start
 
     import transformers
@@ -696,6 +812,12 @@ def calibrate(
                                       / sum(len(bl) for bl in key_blocks.values()), 4),
             "errors": {str(layer): {str(b): e.tolist() for b, e in errs.items()} for layer, errs in block_errors.items()},
         } if key_blocks else None,
+        "key_channel_bits": {
+            "objective": "least held-out expected logit error sum_c E[q_c^2] * D_c(b_c) (raw post-RoPE channels, "
+                         "GQA-pooled query energy, key error over the head's blocks) at an average of bits per channel",
+            "widths": list(CHANNEL_WIDTHS),
+            "channel_widths": {str(layer): w.tolist() for layer, w in channel_widths.items()},
+        } if channel_widths is not None else None,
         "wide_heads": {
             "objective": "highest retrieval score (attention from a repeated random-token sequence to the token after "
                          "each token's first occurrence) within budget_history_bits",
@@ -730,9 +852,10 @@ def calibrate(
         layout={name: getattr(config, name) for name in LAYOUT_FIELDS},
         key_blocks=key_blocks,
         head_bits=head_bits,
+        key_wide_channels=key_wide_channels,
     )
     rotations.report = CalibrationReport(seconds, used_tokens, metadata["calibration"]["heldout_tokens"], key_clips, value_clips, curves,
-                                         key_blocks, head_bits)
+                                         key_blocks, head_bits, key_wide_channels)
     rotations.statistics = collector.layers
     return rotations
 

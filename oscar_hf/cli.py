@@ -145,7 +145,7 @@ def cmd_calibrate(args) -> int:
     if args.data not in (None, "default") and not args.data.startswith("hf:") and not Path(args.data).is_file():
         raise UsageError(f"calibration data file {args.data} not found")
     config = load_config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None,
-                         wide_heads="none" if args.no_wide_heads else None)
+                         wide_heads="none" if args.no_wide_heads else None, key_channel_bits=args.key_channel_bits)
     model, tokenizer, path = load_model(args.model, args.dtype, args.device_map, attn="sdpa", tokenizer=args.tokenizer)
     output = args.output
     if output is None:
@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wide-heads", action="store_true",
                    help="every KV head at 2 bits (OscarConfig.wide_heads='none'; by default the heads that retrieve "
                         "by content keep a 4-bit history, within the size budget)")
+    p.add_argument("--key-channel-bits", default=None, choices=("fitted", "uniform"),
+                   help="fitted: each 2-bit head's key channels at 0, 2 or 4 bits by held-out query energy x key error "
+                        "(same bytes; OscarConfig.key_channel_bits); uniform: 2 bits in every channel")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
     p.set_defaults(func=cmd_calibrate)

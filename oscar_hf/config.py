@@ -25,6 +25,7 @@ CLIP_MODES = ("fitted", "none")
 KEY_GRANULARITIES = ("channel", "token")
 KEY_BLOCK_ALLOCATIONS = ("fitted", "uniform")
 WIDE_HEAD_CHOICES = ("retrieval", "none")
+KEY_CHANNEL_BITS = ("fitted", "uniform")
 # Ratios tried when fitting clip thresholds. The threshold of a row x (length d) is sort(|x|)[floor(r*d)];
 # r = 1.0 means "no clip". The reference implementation hand-sets 0.96 (keys) and 0.92 (values).
 DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
@@ -75,6 +76,17 @@ class OscarConfig:
         wide_history_bits: history bits per element (keys and values, averaged over every head) that the wide heads
             may bring the layout to. `None` (default): 2.75 at head_dim <= 64, 2.4375 at 128 (the whole cache stays
             <= 2.6 bits at 32K tokens), 2.5 above.
+        key_channel_bits: `"fitted"` (default): calibration gives each 2-bit head's key channels 0, 2 or 4 bits at an average
+            of 2 (the same bytes and metadata: `quant.quantize_wide_channels`), by greedy reverse water-filling of the
+            expected attention-logit error Σ_c E[q_c²]·D_c(b_c) in the raw post-RoPE channels (where the query second
+            moment is nearly diagonal), q from calibration's held-out text GQA-pooled, D_c(b) the held-out keys'
+            squared error at b bits over the head's key blocks (0 bits: the block mean); the head's key rotation
+            becomes the permutation that sorts its channels [4-bit | 2-bit | 0-bit] (wide heads keep their basis and
+            4 bits). The file stores the counts (format 6) and the cache reads them. Through the real cache on
+            SmolLM2-135M's 4K needles (40 trials each) essays 30 -> 31 and Shakespeare 33 -> 36 of 40 (BF16 35, 39),
+            and perplexity better than "uniform" in every domain on three of four models (eval/NOTES.md).
+            `"uniform"`: 2 bits in every channel of the per-head basis chosen at calibration (format 5's layout; a
+            file's wide channels are ignored, with a warning). Needs 2-bit channel-wise keys (ignored otherwise).
         key_granularity: `"channel"` (default) or `"token"` (the paper's recipe: a scale/minimum per token and group
             of channels, after the clip).
         key_clip, value_clip: `"fitted"` (per-layer ratios fitted at calibration, stored with the rotations),
@@ -116,6 +128,7 @@ class OscarConfig:
     allocation_history_bits: float | None = None
     wide_heads: str = "retrieval"
     wide_history_bits: float | None = None
+    key_channel_bits: str = "fitted"
     key_granularity: str = "channel"
     key_clip: str | float = "fitted"
     value_clip: str | float = "fitted"
@@ -165,6 +178,8 @@ class OscarConfig:
             fail("allocation_history_bits", f"must be None or a number of bits above bits ({self.bits}) and at most 16")
         if self.wide_heads not in WIDE_HEAD_CHOICES:
             fail("wide_heads", f"must be one of {WIDE_HEAD_CHOICES}")
+        if self.key_channel_bits not in KEY_CHANNEL_BITS:
+            fail("key_channel_bits", f"must be one of {KEY_CHANNEL_BITS}")
         if self.wide_history_bits is not None and (
                 isinstance(self.wide_history_bits, bool) or not isinstance(self.wide_history_bits, (int, float))
                 or not self.bits < self.wide_history_bits <= 16):
@@ -269,6 +284,21 @@ class OscarConfig:
         fitted = tuple(int(b) for b in fitted)
         if len(fitted) != heads:
             raise ValueError(f"the rotations' head bits {list(fitted)} do not fit {heads} KV heads")
+        return fitted
+
+    @property
+    def wide_channel_layout(self) -> bool:
+        """Whether this layout can hold wide key channels: 2-bit channel-wise keys."""
+        return self.bits == 2 and self.key_granularity == "channel"
+
+    def key_wide_channels(self, heads: int, fitted: tuple[int, ...] | list[int] | None) -> tuple[int, ...] | None:
+        """The wide key channels of each of `heads` KV heads of a layer: the file's (`fitted`) where this config takes
+        them (`key_channel_bits == "fitted"`, a layout that holds them), else None."""
+        if fitted is None or self.key_channel_bits != "fitted" or not self.wide_channel_layout:
+            return None
+        fitted = tuple(int(n) for n in fitted)
+        if len(fitted) != heads:
+            raise ValueError(f"the rotations' key wide channels {list(fitted)} do not fit {heads} KV heads")
         return fitted
 
     @property

@@ -3,6 +3,7 @@
 A data spec is one of:
 - `None` / `"default"`: the calibration split of the offline Paul Graham essays (`assets.essay_split`);
 - a path to a `.txt` file (one document), or a `.json` / `.jsonl` file of strings or of objects with a `"text"` field;
+- a list of strings (documents given in memory, from Python);
 - `"hf:NAME[:CONFIG][:SPLIT][:COLUMN]"`: a dataset loaded with the `datasets` library (Hub names work where a hub is
   reachable, local dataset folders and the offline datasets cache work everywhere).
 Every loader returns the documents and a description that is recorded in the rotation file.
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 
-def load_texts(spec: str | Path | None = None) -> tuple[list[str], dict]:
+def load_texts(spec: str | Path | list[str] | None = None) -> tuple[list[str], dict]:
     """`(documents, description)` for a data spec (see module docstring)."""
     if spec is None or str(spec) == "default":
         from .assets import ESSAYS_PACKAGE, essay_split
@@ -27,6 +28,14 @@ def load_texts(spec: str | Path | None = None) -> tuple[list[str], dict]:
             "source": f"pip:{ESSAYS_PACKAGE} Paul Graham essays, calibration split",
             "documents": list(essays),
         }
+    if isinstance(spec, (list, tuple)):  # documents given in memory (Python callers)
+        if not spec or not all(isinstance(d, str) for d in spec) or not any(d.strip() for d in spec):
+            raise ValueError("calibration data given as a list must be a non-empty list of non-empty strings")
+        docs = [d for d in spec if d.strip()]
+        digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
+        return docs, {"source": "in-memory documents", "sha256": digest, "documents": len(docs)}
+    if not isinstance(spec, (str, Path)):
+        raise TypeError(f"calibration data must be a path, 'default', 'hf:...' or a list of strings, not {type(spec).__name__}")
     spec = str(spec)
     if spec.startswith("hf:"):
         return _load_hf(spec)

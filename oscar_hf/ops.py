@@ -94,14 +94,15 @@ def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, 
 # ------------------------------------------------------------------------------------------ quantize_pack
 def quantize_pack_reference(
     x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int,
-    key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (),
+    key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (), wide_channels: list[int] = (),
 ) -> None:
     """Rotates (if `rotation` `[H, d, d]` is given), clips, quantizes to 2 bits and packs rows `x` `[B, H, n, d]` into
     `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`key_chunk == 0`,
     meta `[B, H, L, G, 2]`) or channel-wise with KV head h over blocks of `key_blocks[h]` tokens in chunks of
     `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; `start` and n multiples of the chunk, no
     clip). `wide_rows` (`quant.wide_rows`): wide heads at 4 bits, their low planes in the codes' rows after the H heads
-    (codes `[B, H + U, L, d/4]`)."""
+    (codes `[B, H + U, L, d/4]`). `wide_channels` (channel-wise keys): each KV head's wide key channels
+    (`quant.quantize_wide_channels`; empty: none)."""
     n, d = x.shape[2], x.shape[3]
     if n == 0:
         return
@@ -109,7 +110,7 @@ def quantize_pack_reference(
         x = torch.matmul(x, rotation)
     wide = tuple(wide_rows)
     if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide)
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide, tuple(wide_channels))
         codes[:, :, start : start + n] = q.codes
         meta[:, start // key_chunk : (start + n) // key_chunk] = q.meta
         return
@@ -120,19 +121,22 @@ def quantize_pack_reference(
 
 
 def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, wide_rows=(),
-                  kernel: bool | None = None) -> None:
+                  wide_channels=(), kernel: bool | None = None) -> None:
     """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
     e.g. once outside a compiled region; None: decide here)."""
     if use_kernels(x) if kernel is None else kernel:
         kernel_op("quantize_pack")(x, rotation, float(clip_ratio), codes, meta, int(start),
-                                      [int(b) for b in key_blocks], int(key_chunk), [int(r) for r in wide_rows])
+                                      [int(b) for b in key_blocks], int(key_chunk), [int(r) for r in wide_rows],
+                                      [int(n) for n in wide_channels])
     else:
-        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows)
+        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows,
+                                wide_channels)
 
 
 def quantize_pack_at_reference(
     x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
     key_blocks: list[int] = (), key_chunk: int = 0, ring: int = 0, wide_rows: list[int] = (),
+    wide_channels: list[int] = (),
 ) -> None:
     """`quantize_pack_reference` (rows already rotated) with the first row `start` an int64 tensor of one element on
     x's device, so that a captured decode step can write where the token count says without a host synchronisation;
@@ -153,7 +157,7 @@ def quantize_pack_at_reference(
     rows = first + torch.arange(n, device=x.device)
     wide = tuple(wide_rows)
     if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide)
+        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide, tuple(wide_channels))
         meta_index, meta_dim = torch.div(first, key_chunk, rounding_mode="floor") + torch.arange(n // key_chunk, device=x.device), 1
     else:
         q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, d // meta.shape[3], meta.dtype, wide)
@@ -163,13 +167,15 @@ def quantize_pack_at_reference(
 
 
 def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, ring: int = 0, wide_rows=(),
-                     kernel: bool | None = None) -> None:
+                     wide_channels=(), kernel: bool | None = None) -> None:
     """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
     if use_kernels(x) if kernel is None else kernel:
         kernel_op("quantize_pack_at")(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
-                                         int(key_chunk), int(ring), [int(r) for r in wide_rows])
+                                         int(key_chunk), int(ring), [int(r) for r in wide_rows],
+                                         [int(n) for n in wide_channels])
     else:
-        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows)
+        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows,
+                                   wide_channels)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
@@ -182,7 +188,7 @@ def segment_attention_reference(
     key_mask: torch.Tensor | None,
     n_sink: int, n_hist: int, n_recent: int, n_extra: int,
     queries_per_group: int, query_start: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
-    wide_rows: list[int] = (), row_block: int = 1024, emulate_bf16: bool = False,
+    wide_rows: list[int] = (), wide_channels: list[int] = (), row_block: int = 1024, emulate_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of grouped query rows over [sink | INT2 history | recent | extra] (all rotated).
 
@@ -194,7 +200,8 @@ def segment_attention_reference(
             hist_meta_k the same, or, when `key_chunk` > 0, channel-wise keys `[B, ≥n_hist/key_chunk, R, d, 2]`: KV
             head h over blocks of `key_blocks[h]` tokens in chunks of `key_chunk` (`quant.KeyBlockLayout`; n_hist a
             multiple of the chunk). `wide_rows` (`quant.wide_rows`): wide heads' low planes in both codes tensors
-            (`[B, H + U, ...]`).
+            (`[B, H + U, ...]`). `wide_channels` (channel-wise keys): each KV head's wide key channels
+            (`quant.quantize_wide_channels`; empty: none).
         key_mask: `[B, n_sink + n_hist + n_recent + n_extra]` bool (True = attend) or None. Causality comes from
             positions: sink at 0, history after it, then recent, then extra.
         emulate_bf16: round the probabilities to bfloat16 before they weigh the values, as the kernel's tensor-core
@@ -205,7 +212,8 @@ def segment_attention_reference(
     d, wide = q.shape[-1], tuple(wide_rows)
     if key_chunk:
         hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, : -(-n_hist // key_chunk)],
-                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk), wide))
+                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk), wide,
+                                                          tuple(wide_channels)))
     else:
         hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2,
                                                d // hist_meta_k.shape[3], wide))
@@ -239,13 +247,14 @@ def segment_attention_reference(
 def segment_attention(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(), key_chunk=0,
-    wide_rows=(),
+    wide_rows=(), wide_channels=(),
 ):
     """`segment_attention_reference`'s contract, on the Triton kernel where it applies."""
     key_blocks = [int(b) for b in key_blocks] if key_chunk else []
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
             key_mask, int(n_sink), int(n_hist), int(n_recent), int(n_extra), int(queries_per_group), int(query_start),
-            float(scale), key_blocks, int(key_chunk), [int(r) for r in wide_rows])
+            float(scale), key_blocks, int(key_chunk), [int(r) for r in wide_rows],
+            [int(n) for n in wide_channels] if key_chunk else [])
     problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3],
                                        key_blocks, bool(wide_rows))
     if use_kernels(q, problem):
@@ -261,7 +270,7 @@ def decode_attention_reference(
     ring_k: torch.Tensor, ring_v: torch.Tensor,
     key_mask: torch.Tensor | None, lengths: torch.Tensor,
     queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (),
-    value_rotation: torch.Tensor | None = None,
+    wide_channels: list[int] = (), value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
     synchronisation, fixed shapes: what a CUDA graph can replay).
@@ -279,6 +288,7 @@ def decode_attention_reference(
         value_rotation: `[H, d, d]` R_V, or None: the output is un-rotated (·R_Vᵀ, in float32) before its rounding to
             q.dtype.
         wide_rows: wide heads' low planes in both codes tensors (`quant.wide_rows`).
+        wide_channels: each KV head's wide key channels (channel-wise keys; `quant.quantize_wide_channels`).
     Returns:
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
@@ -287,7 +297,7 @@ def decode_attention_reference(
     device, wide = q.device, tuple(wide_rows)
     if key_chunk:
         hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k, hist_meta_k, 2, KeyBlockLayout(tuple(key_blocks), key_chunk),
-                                                          wide))
+                                                          wide, tuple(wide_channels)))
     else:
         hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3], wide))
     hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3], wide))
@@ -318,13 +328,13 @@ def decode_attention_reference(
 
 
 def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
-                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, wide_rows=(), value_rotation=None,
-                     kernel: bool = False):
+                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, wide_rows=(), wide_channels=(),
+                     value_rotation=None, kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
     selects the Triton kernel `oscar::decode_attention`."""
     args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
             int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk),
-            [int(r) for r in wide_rows], value_rotation)
+            [int(r) for r in wide_rows], [int(n) for n in wide_channels] if key_chunk else [], value_rotation)
     if kernel:
         return kernel_op("decode_attention")(*args)
     return decode_attention_reference(*args)

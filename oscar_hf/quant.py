@@ -34,6 +34,16 @@ under the head's one (scale, minimum) pair: the high plane h in the head's own r
 an extra row after the layer's H KV heads (codes `[B, H + U, L, d/4]`, `wide_rows[h]` = H + j for the j-th wide head,
 −1 for the others), and the stored scale is the high plane's, S = 4·s (s, the 4-bit step, rounded to the meta dtype
 first, so S is exact): x̂ = h·S + m + l·S/4. Every reader adds the low plane; the meta tensors keep H heads.
+
+Wide key channels (channel-wise keys of 2-bit heads; `OscarConfig.key_channel_bits`): within one head, calibration
+gives n channels 4 bits and n others none, at the bits of 2 everywhere, and orders the head's channels (its key
+rotation is that permutation) as [n four-bit | 2-bit | n zero-bit]. In each block, four-bit channel j < n keeps its
+high plane in its own slot under (4·s_j, m_j), as a wide head does, and its low plane in slot d − n + j, whose own
+channel keeps only its block mean μ: that slot's meta is (s_j, μ). So x̂_j = h_j·4s_j + m_j + l_j·s_j and
+x̂_{d−n+j} = μ, in the same bytes and meta as 2 bits everywhere, and a score is
+q·k̂ = Σ_c (q_{π(c)}·scale_c)·code_c + Σ_c q_c·min_c with π = `paired_channels(d, n)` (slot c holds the code of
+channel π(c)): a reader gathers the query once per head and changes nothing else. `wide_channels[h]` is head h's n
+(0 for wide heads and heads without).
 """
 
 from __future__ import annotations
@@ -180,6 +190,30 @@ def _split_wide(packed4: torch.Tensor, meta4: torch.Tensor) -> tuple[torch.Tenso
     return pack_2bit_u8(codes >> 2), pack_2bit_u8(codes & 3), meta
 
 
+# --------------------------------------------------------------------------------------------- wide key channels
+def paired_channels(d: int, n: int, device=None) -> torch.Tensor:
+    """π `[d]` int64 with n wide key channels (module docstring): slot c holds the code of channel π(c), c itself
+    except the last n slots, which hold the low planes of channels 0..n−1."""
+    slots = torch.arange(d, device=device)
+    return torch.where(slots >= d - n, slots - (d - n), slots)
+
+
+def check_wide_channels(counts, heads: int, head_dim: int, rows=()) -> tuple[int, ...]:
+    """`counts` (wide key channels per KV head) as a tuple, checked: one per head, each in [0, head_dim/2], 0 for
+    the wide heads of `rows`; `()` when no head has any."""
+    counts = tuple(int(n) for n in counts)
+    if not counts or not any(counts):
+        return ()
+    if len(counts) != heads:
+        raise ValueError(f"{len(counts)} wide key channel counts for {heads} KV heads")
+    if any(not 0 <= n <= head_dim // 2 for n in counts):
+        raise ValueError(f"wide key channel counts {list(counts)} must lie in [0, {head_dim // 2}] (head_dim {head_dim})")
+    if rows and any(n and r >= 0 for n, r in zip(counts, rows)):
+        raise ValueError(f"wide heads (rows {list(rows)}) store 4-bit keys already and take no wide key channels, "
+                         f"got {list(counts)}")
+    return counts
+
+
 # --------------------------------------------------------------------------------------------- quantizer
 @dataclass
 class QuantizedRows:
@@ -273,13 +307,48 @@ def quantize_channels(x: torch.Tensor, bits: int, block: int, meta_dtype: str | 
     """Channel-wise asymmetric quantization of `x` `[..., L, d]` (L a multiple of `block`): every channel gets one
     scale and minimum per block of tokens, the codes are packed per token like `quantize_rows`. `wide`: 4-bit codes
     of a wide head (their scale kept within a quarter of the meta dtype's range)."""
+    codes, meta = _channel_codes(x, bits, block, meta_dtype, wide)
+    return QuantizedBlocks(pack_codes(codes, bits), meta, bits, block)
+
+
+def _channel_codes(x: torch.Tensor, bits: int, block: int, meta_dtype, wide: bool = False):
+    """`quantize_channels` before packing: codes `[..., L, d]` uint8 and meta `[..., L/block, d, 2]`."""
     length, d = x.shape[-2], x.shape[-1]
     if length % block:
         raise ValueError(f"channel-wise quantization needs whole blocks: {length} tokens, block {block}")
     columns = x.float().reshape(*x.shape[:-2], length // block, block, d).transpose(-1, -2)  # [..., nb, d, block]
     q = _quantize_rows(columns, bits, block, meta_dtype, wide)
     codes = unpack_codes(q.codes, bits).reshape(columns.shape).transpose(-1, -2).reshape(x.shape)
-    return QuantizedBlocks(pack_codes(codes, bits), q.meta.squeeze(-2), bits, block)
+    return codes, q.meta.squeeze(-2)
+
+
+def quantize_wide_channels(x: torch.Tensor, block: int, n: int, meta_dtype: str | torch.dtype = "float16") -> QuantizedBlocks:
+    """One head's 2-bit channel-wise keys `x` `[..., L, d]` with n wide channels (module docstring): channels
+    0..n−1 at 4 bits (high planes in their slots, low planes in the last n slots), channels d−n..d−1 their block
+    means, the rest at 2 bits."""
+    codes, meta = _channel_codes(x, 2, block, meta_dtype)
+    if n:
+        d, length = x.shape[-1], x.shape[-2]
+        codes4, meta4 = _channel_codes(x[..., :n], WIDE_BITS, block, meta_dtype, wide=True)
+        codes[..., :n], codes[..., d - n :] = codes4 >> 2, codes4 & 3
+        meta[..., :n, 0], meta[..., :n, 1] = meta4[..., 0] * 4, meta4[..., 1]
+        finfo = torch.finfo(meta.dtype)
+        # summed in float64: exact for 16-bit keys whatever the order, so the Triton kernel's mean is this one
+        mean = (x[..., d - n :].double().reshape(*x.shape[:-2], length // block, block, n).sum(-2) / block).float()
+        meta[..., d - n :, 0], meta[..., d - n :, 1] = meta4[..., 0], mean.clamp(finfo.min, finfo.max).to(meta.dtype)
+    return QuantizedBlocks(pack_2bit_u8(codes), meta, 2, block)
+
+
+def dequantize_wide_channels(q: QuantizedBlocks, n: int) -> torch.Tensor:
+    """Inverse of `quantize_wide_channels`: float32 keys `[..., L, d]` (L may end inside a block)."""
+    keys = dequantize_channels(q)
+    if n:
+        d = keys.shape[-1]
+        low = unpack_2bit_u8(q.codes)[..., d - n :].float()  # the last n slots' codes: low planes
+        meta = q.meta.float().repeat_interleave(q.block, dim=-3)[..., : keys.shape[-2], d - n :, :]  # [..., L, n, 2]
+        keys[..., :n] += low * meta[..., 0]
+        keys[..., d - n :] = meta[..., 1]
+    return keys
 
 
 def dequantize_channels(q: QuantizedBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -347,13 +416,16 @@ class QuantizedKeyChunks:
     bits: int
     layout: KeyBlockLayout
     wide_rows: tuple[int, ...] = ()
+    wide_channels: tuple[int, ...] = ()
 
 
 def quantize_key_chunks(x: torch.Tensor, bits: int, layout: KeyBlockLayout,
-                        meta_dtype: str | torch.dtype = "float16", wide: tuple[int, ...] = ()) -> QuantizedKeyChunks:
+                        meta_dtype: str | torch.dtype = "float16", wide: tuple[int, ...] = (),
+                        wide_channels: tuple[int, ...] = ()) -> QuantizedKeyChunks:
     """Channel-wise quantization of keys `x` `[B, H, L, d]` (L a multiple of `layout.chunk`), head h over blocks of
     `layout.blocks[h]` tokens (`quantize_channels` per head); `wide`: the heads' `wide_rows` (2 bits only), those
-    heads at 4 bits in two 2-bit planes."""
+    heads at 4 bits in two 2-bit planes; `wide_channels`: each head's wide key channels (2 bits only,
+    `quantize_wide_channels`)."""
     b, h, length, d = x.shape
     if h != layout.heads:
         raise ValueError(f"key block layout is for {layout.heads} KV heads, got {h}")
@@ -362,12 +434,18 @@ def quantize_key_chunks(x: torch.Tensor, bits: int, layout: KeyBlockLayout,
     if wide and bits != 2:
         raise ValueError(f"wide heads are stored in a 2-bit history, not a {bits}-bit one")
     wide = check_wide_rows(wide, h)
+    wide_channels = check_wide_channels(wide_channels, h, d, wide)
+    if wide_channels and bits != 2:
+        raise ValueError(f"wide key channels are stored in a 2-bit history, not a {bits}-bit one")
     chunks = length // layout.chunk
     codes = x.new_empty(b, h + len(wide_heads(wide)), length, d * bits // 8, dtype=torch.uint8)
     meta = None
     for head, (block, offset) in enumerate(zip(layout.blocks, layout.offsets)):
         is_wide = bool(wide) and wide[head] >= 0
-        q = quantize_channels(x[:, head], WIDE_BITS if is_wide else bits, block, meta_dtype, is_wide)  # meta [B, L/block, d, 2]
+        if wide_channels and wide_channels[head]:
+            q = quantize_wide_channels(x[:, head], block, wide_channels[head], meta_dtype)
+        else:
+            q = quantize_channels(x[:, head], WIDE_BITS if is_wide else bits, block, meta_dtype, is_wide)  # meta [B, L/block, d, 2]
         q_codes, q_meta = q.codes, q.meta
         if is_wide:
             q_codes, codes[:, wide[head]], q_meta = _split_wide(q.codes, q.meta)
@@ -375,7 +453,7 @@ def quantize_key_chunks(x: torch.Tensor, bits: int, layout: KeyBlockLayout,
             meta = q_meta.new_empty(b, chunks, layout.rows_per_chunk, d, 2)
         codes[:, head] = q_codes
         meta[:, :, offset : offset + layout.chunk // block] = q_meta.reshape(b, chunks, layout.chunk // block, d, 2)
-    return QuantizedKeyChunks(codes, meta, bits, layout, wide)
+    return QuantizedKeyChunks(codes, meta, bits, layout, wide, wide_channels)
 
 
 def head_blocks(q: QuantizedKeyChunks, head: int) -> QuantizedBlocks:
@@ -393,7 +471,7 @@ def dequantize_key_chunks(q: QuantizedKeyChunks, dtype: torch.dtype = torch.floa
     heads = []
     for h in range(q.layout.heads):
         blocks = head_blocks(q, h)
-        keys = dequantize_channels(blocks)
+        keys = dequantize_wide_channels(blocks, q.wide_channels[h] if q.wide_channels else 0)
         if q.wide_rows and q.wide_rows[h] >= 0:
             keys += dequantize_channels(QuantizedBlocks(q.codes[:, q.wide_rows[h]], _low_meta(blocks.meta), 2, blocks.block))
         heads.append(keys.to(dtype))

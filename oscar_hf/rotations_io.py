@@ -15,7 +15,10 @@ clips were fitted for — `key_granularity` and `demotion_block`, then also the 
 layout adds `key_block` and `key_block_allocation`; with a fitted allocation the JSON's `key_blocks` gives each OSCAR
 layer's channel-wise key block per KV head, `{"layer": [blocks]}`), 5 (adds `head_bits`, `{"layer": [bits per KV
 head]}` or null: 2, or 4 for the wide heads that calibration keeps at 4 bits, `OscarConfig.wide_heads`; a version 4 file
-loads with every head at 2 bits). Versions 1 and 2 were written for token-wise keys
+loads with every head at 2 bits), 6 (adds `key_wide_channels`, `{"layer": [wide key channels per KV head]}` or
+null: the channels of each head that calibration water-filled to 4 bits, as many others keeping only their block
+mean, `OscarConfig.key_channel_bits`, `quant.quantize_wide_channels`; the head's key rotation is the permutation that
+sorts its raw channels for them; a version 5 file loads with none). Versions 1 and 2 were written for token-wise keys
 demoted in blocks of 8, version 3 for one key block (its demotion_block) everywhere, and load with that layout;
 `OscarCache` follows a file's layout unless given a config (and warns when the config's layout differs from the
 file's).
@@ -48,8 +51,8 @@ from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
 FORMAT_NAME = "oscar-rotations"
-FORMAT_VERSION = 5  # the version written
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6  # the version written
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # what format 1 and 2 files were calibrated for
 LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8, "key_block": 8, "key_block_allocation": "uniform"}
 LAYOUT_FIELDS = ("key_granularity", "demotion_block", "key_block", "key_block_allocation")
@@ -82,6 +85,8 @@ class OscarRotations:
             (`OscarConfig.key_block_allocation="fitted"`), or `None`.
         head_bits: `{layer: (history bits per KV head, ...)}`: 2, or `quant.WIDE_BITS` for the wide heads picked at
             calibration (`OscarConfig.wide_heads`), or `None` (every head at the layout's bits).
+        key_wide_channels: `{layer: (wide key channels per KV head, ...)}` water-filled at calibration
+            (`OscarConfig.key_channel_bits`), or `None`.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class OscarRotations:
         layout: dict[str, Any] | None = None,
         key_blocks: dict[int, Any] | None = None,
         head_bits: dict[int, Any] | None = None,
+        key_wide_channels: dict[int, Any] | None = None,
     ):
         self.geometry = dict(geometry)
         default = OscarConfig()
@@ -125,6 +131,12 @@ class OscarRotations:
             self.head_bits = ({int(k): tuple(int(b) for b in v) for k, v in head_bits.items()} if head_bits else None)
         except (TypeError, ValueError, AttributeError):
             raise RotationFileError(f"head_bits must map layers to lists of integers, got {head_bits!r}") from None
+        try:
+            self.key_wide_channels = ({int(k): tuple(int(n) for n in v) for k, v in key_wide_channels.items()}
+                                      if key_wide_channels else None)
+        except (TypeError, ValueError, AttributeError):
+            raise RotationFileError(f"key_wide_channels must map layers to lists of integers, "
+                                    f"got {key_wide_channels!r}") from None
         self.metadata = dict(metadata or {})
         self._check_consistency()
 
@@ -148,6 +160,10 @@ class OscarRotations:
     def head_bit(self, layer: int) -> tuple[int, ...] | None:
         """The history bits of each KV head of `layer` (wide heads at `quant.WIDE_BITS`), or None."""
         return None if self.head_bits is None else self.head_bits[layer]
+
+    def key_wide_channel(self, layer: int) -> tuple[int, ...] | None:
+        """The wide key channels of each KV head of `layer` (`quant.quantize_wide_channels`), or None."""
+        return None if self.key_wide_channels is None else self.key_wide_channels[layer]
 
     @property
     def wide_heads(self) -> list[tuple[int, int]]:
@@ -253,6 +269,20 @@ class OscarRotations:
                                             f"(num_key_value_heads), each 2 or {WIDE_BITS}")
             if not OscarConfig(**self.layout).wide_layout:
                 raise RotationFileError(f"head_bits need a layout with channel-wise 2-bit keys, got {self.layout}")
+        if self.key_wide_channels is not None:
+            from .quant import WIDE_BITS
+
+            if set(self.key_wide_channels) != set(self.key_rotations):
+                raise RotationFileError(f"key wide channels cover layers {sorted(self.key_wide_channels)}, "
+                                        f"rotations cover {self.layers}")
+            for layer, counts in self.key_wide_channels.items():
+                wide = [b == WIDE_BITS for b in (self.head_bits or {}).get(layer, (2,) * h)]
+                if len(counts) != h or any(not 0 <= n <= d // 2 or (n and w) for n, w in zip(counts, wide)):
+                    raise RotationFileError(
+                        f"key_wide_channels of layer {layer} are {list(counts)}: expected {h} counts "
+                        f"(num_key_value_heads) in [0, {d // 2}] (head_dim / 2), 0 for the wide heads")
+            if OscarConfig(**self.layout).key_granularity != "channel":
+                raise RotationFileError(f"key_wide_channels need a layout with channel-wise keys, got {self.layout}")
         for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
             if clips is None:
                 continue
@@ -308,6 +338,8 @@ class OscarRotations:
             "center_keys": self.center_keys,
             "key_blocks": None if self.key_blocks is None else {str(k): list(v) for k, v in sorted(self.key_blocks.items())},
             "head_bits": None if self.head_bits is None else {str(k): list(v) for k, v in sorted(self.head_bits.items())},
+            "key_wide_channels": (None if self.key_wide_channels is None
+                                  else {str(k): list(v) for k, v in sorted(self.key_wide_channels.items())}),
             **self.metadata,
         }
 
@@ -448,6 +480,7 @@ class OscarRotations:
             layout = {"key_block": layout["demotion_block"], "key_block_allocation": "uniform"} | layout
         key_blocks = meta.pop("key_blocks", None)
         head_bits = meta.pop("head_bits", None) if version >= 5 else None
+        key_wide_channels = meta.pop("key_wide_channels", None) if version >= 6 else None
         if not isinstance(layout, dict) or set(layout) != set(LAYOUT_FIELDS):
             raise RotationFileError(f"{config_path}: layout must be an object with the fields {list(LAYOUT_FIELDS)}, "
                                     f"got {layout!r}")
@@ -466,6 +499,7 @@ class OscarRotations:
             layout=layout,
             key_blocks=key_blocks,
             head_bits=head_bits,
+            key_wide_channels=key_wide_channels,
         )
 
     def push_to_hub(

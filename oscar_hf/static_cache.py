@@ -408,7 +408,8 @@ class StaticOscarCache(OscarCache):
                                                max_cache_len=max_cache_len,
                                                key_mean=self._local_heads(i, rotations.key_mean(i)),
                                                key_blocks=self._key_blocks(i, rotations, config),
-                                               head_bits=self._head_bits(i, rotations, config)))
+                                               head_bits=self._head_bits(i, rotations, config),
+                                               key_wide_channels=self._key_wide_channels(i, rotations, config)))
             else:
                 layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len,
                                                        sliding_window=geometry.sliding_windows[i]))

@@ -12,6 +12,9 @@ cap capacity in tokens, d head_dim):
   quantized once and never touched again;
 - bits == 16: `dense` `[B, H, cap, d]` in the model dtype (no quantization; the cache-logic check).
 
+Channel-wise 2-bit keys may have wide key channels (`wide_channels`, per KV head; `quant.py`): same buffers, read and
+written with the paired slots.
+
 Rows `[0, length)` are valid. 2-bit rows are written by `ops.quantize_pack` (the fused Triton kernel on CUDA, its
 torch twin elsewhere); other widths by `quant.py` directly.
 """
@@ -24,8 +27,8 @@ import torch
 
 from . import ops
 from .config import DTYPES
-from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, check_wide_rows, clip_rows, dequantize,
-                    quantize_key_chunks, quantize_rows, wide_heads)
+from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, check_wide_channels, check_wide_rows, clip_rows,
+                    dequantize, quantize_key_chunks, quantize_rows, wide_heads)
 
 GRANULARITIES = ("token", "channel")
 _BULK_RESERVE = 256  # spare rows after a bulk (prefill) append
@@ -42,10 +45,12 @@ class QuantizedHistory:
             required for `"channel"`).
         scale_dtype: dtype of the scale and minimum. clip_ratio: per-row clip before token-wise quantization.
         wide: `quant.wide_rows` of the KV heads (2-bit histories): those heads are stored at 4 bits; `()`: none.
+        wide_channels: wide key channels per KV head (2-bit channel-wise histories, `quant.quantize_wide_channels`);
+            `()`: none.
     """
 
     def __init__(self, bits: int, granularity: str, group_size: int, layout: KeyBlockLayout | None, scale_dtype: str,
-                 clip_ratio: float, head_dim: int, wide: tuple[int, ...] = ()):
+                 clip_ratio: float, head_dim: int, wide: tuple[int, ...] = (), wide_channels: tuple[int, ...] = ()):
         if granularity not in GRANULARITIES:
             raise ValueError(f"history granularity must be one of {GRANULARITIES}, got {granularity!r}")
         self.bits = bits
@@ -60,6 +65,12 @@ class QuantizedHistory:
         self.wide = tuple(wide) if bits == 2 else ()
         if self.wide and self.layout is not None:
             check_wide_rows(self.wide, self.layout.heads)
+        self.wide_channels = ()
+        if any(int(n) for n in wide_channels):
+            if bits != 2 or self.layout is None:
+                raise ValueError(f"wide key channels need a 2-bit channel-wise history, not a {bits}-bit "
+                                 f"{self.granularity}-wise one")
+            self.wide_channels = check_wide_channels(wide_channels, self.layout.heads, head_dim, self.wide)
         self.length = 0
         self.buffers: dict[str, torch.Tensor] = {}
         self.kernel: bool | None = None  # the static cache decides once whether the Triton kernels run (None: per call)
@@ -154,7 +165,7 @@ class QuantizedHistory:
         if self.bits == 2:  # straight into the buffers: the Triton kernel on CUDA reads `start` itself
             ops.quantize_pack_at(rows, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
                                  self.buffers["meta"], start, *self.kernel_key_layout, ring=ring, wide_rows=self.wide,
-                                 kernel=self.kernel)
+                                 wide_channels=self.wide_channels, kernel=self.kernel)
             return
         if ring:
             raise ValueError(f"a ring source is read by 2-bit histories only, not {self.bits}-bit ones")
@@ -202,7 +213,8 @@ class QuantizedHistory:
         start, end = self.length, self.length + n
         if self.bits == 2:
             ops.quantize_pack(rows, rotation, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                              self.buffers["meta"], start, *self.kernel_key_layout, wide_rows=self.wide)
+                              self.buffers["meta"], start, *self.kernel_key_layout, wide_rows=self.wide,
+                              wide_channels=self.wide_channels)
         else:
             if rotation is not None:
                 rows = torch.matmul(rows, rotation)
@@ -240,7 +252,7 @@ class QuantizedHistory:
             return b["dense"][:, :, start:end]
         if self.channelwise:
             return QuantizedKeyChunks(b["codes"][:, :, start:end], b["meta"][:, start // self.chunk : -(-end // self.chunk)],
-                                      self.bits, self.layout, self.wide)
+                                      self.bits, self.layout, self.wide, self.wide_channels)
         return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size, self.wide)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:

@@ -332,3 +332,85 @@ def test_calibration_keeps_the_retrieval_heads_wide_and_the_cache_stores_them_at
             assert cache.layers[layer].history_keys.buffers["codes"].shape[1] == 2 + len(
                 [h for h in range(2) if loaded.head_bits[layer][h] == 4])
     assert errors["wide"] < errors["none"] / 3  # the wide head's history is 4-bit
+
+
+def test_water_filling_gives_the_bits_to_channels_whose_queries_look_and_whose_keys_vary():
+    """Greedy reverse water-filling at 2 bits per channel: a channel with query energy and key spread gets 4 bits, a
+    channel no query reads (or whose keys are constant) gets 0; the budget is spent exactly and the order is
+    [4-bit | 2-bit | 0-bit] with as many 0-bit channels as 4-bit ones."""
+    from oscar_hf.calibrate import CHANNEL_WIDTHS, channel_width_errors, water_fill, wide_channel_order
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 256, 8, generator=g) * torch.tensor([4.0, 1, 1, 1, 1, 1, 1, 1])
+    keys[..., 5] = 0.5  # a constant channel: its block mean is exact
+    errors = channel_width_errors(keys, (64,))[0]  # [d, widths]
+    assert errors.shape == (8, len(CHANNEL_WIDTHS)) and errors[5, 0] < 1e-6 and (errors[:, 2] <= errors[:, 1]).all()
+    weights = torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 1e-6])  # nothing reads channel 7
+    bits = water_fill(weights, errors, 16)
+    assert bits.sum() == 16 and bits[0] == 4 and bits[5] == 0 and bits[7] == 0
+    n, perm = wide_channel_order(bits)
+    assert n == int((bits == 4).sum()) == int((bits == 0).sum())
+    order = perm.argmax(0).tolist()  # stored slot i holds raw channel order[i]
+    assert [int(bits[c]) for c in order] == sorted(bits.tolist(), reverse=True)
+    assert torch.equal(perm @ perm.T, torch.eye(8, dtype=torch.float64))
+    # an unspent budget leaves unpaired 0-bit channels, stored at 2 bits
+    n, perm = wide_channel_order(torch.tensor([4, 0, 0, 0, 2, 2, 2, 2]))
+    assert n == 1 and perm.argmax(0).tolist()[0] == 0 and perm.argmax(0).tolist()[-1] == 3
+
+
+def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_file, tmp_path):
+    """`key_channel_bits="fitted"`: each non-wide head's key rotation is the permutation that sorts its channels,
+    the file keeps the counts (format 6), a cache built from the file alone uses them, and what it stores is each
+    channel at its width (4-bit channels finer, 0-bit channels their block means)."""
+    model = tiny_model("llama", attn="sdpa")
+    config = OscarConfig(**{**SMALL, "demotion_block": 16, "key_block": 16, "key_block_allocation": "uniform",
+                            "key_channel_bits": "fitted"})
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
+    assert set(rot.key_wide_channels) == set(rot.layers) and any(n for c in rot.key_wide_channels.values() for n in c)
+    for layer in rot.layers:
+        r = rot.key_rotations[layer]
+        assert torch.equal(r.sort(-1).values[..., -1], torch.ones(r.shape[:2]))  # one 1 per row: permutations
+    assert "wide key channels:" in rot.report.summary()
+    assert rot.metadata["key_channel_bits"]["widths"] == [0, 2, 4]
+    rot.save_pretrained(tmp_path)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    assert loaded.key_wide_channels == rot.key_wide_channels
+    model.set_attn_implementation("oscar")
+    assert OscarCache(model, loaded).oscar_config.key_channel_bits == "fitted"  # the file's layout and widths
+    small = {**loaded.layout, **SMALL, "demotion_block": 16, "key_block": 16}
+    cache = OscarCache(model, loaded, OscarConfig(**small, key_channel_bits="fitted"))
+    ids = torch.randint(3, VOCAB, (1, 80), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, past_key_values=cache)
+    exact = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).past_key_values
+    layer = max(rot.layers, key=lambda l: max(rot.key_wide_channels[l]))
+    head = max(range(2), key=lambda h: rot.key_wide_channels[layer][h])
+    n = rot.key_wide_channels[layer][head]
+    lay = cache.layers[layer]
+    assert lay.history_keys.wide_channels[head] == n
+    keys, _ = lay.stored_states()
+    stored = keys[0, head, 4:68].float()  # the history: 4 chunks of 16 after the sink
+    want = exact.layers[layer].keys[0, head, 4:68].float() @ lay.key_rotation[head].float()
+    blocks = want.reshape(4, 16, -1)
+    assert torch.allclose(stored[:, -n:], blocks[..., -n:].mean(1, keepdim=True).expand(-1, 16, -1).reshape(64, n),
+                          atol=2e-2)  # 0-bit channels: block means (fp16 metadata, bf16-free float32 model)
+    err = (stored - want).abs().mean(0)
+    assert err[:n].mean() < err[n:-n].mean() / 2  # 4-bit channels against 2-bit ones
+    with pytest.warns(RuntimeWarning, match="does not use"):
+        OscarCache(model, loaded, OscarConfig(**small, key_channel_bits="uniform"))
+
+
+def test_calibration_data_can_be_a_list_of_strings_and_bad_data_is_named():
+    """From Python, documents in memory calibrate like a file of them; anything else gets a one-line error (a list
+    used to be taken for a path: 'File name too long')."""
+    from oscar_hf.data import load_texts
+
+    docs, info = load_texts([TEXT, "  ", TEXT[:100]])
+    assert docs == [TEXT, TEXT[:100]] and info["documents"] == 2 and len(info["sha256"]) == 64
+    for bad in ([], ["", " "], [TEXT, 3]):
+        with pytest.raises(ValueError, match="non-empty list of non-empty strings"):
+            load_texts(bad)
+    with pytest.raises(TypeError, match="not int"):
+        load_texts(3)
+    model = tiny_model("llama", attn="sdpa")
+    rot = calibrate(model, char_tokenizer(), data=[TEXT], config=OscarConfig(**SMALL), progress=False)
+    assert rot.metadata["calibration"]["data"]["source"] == "in-memory documents"

@@ -1,5 +1,6 @@
-"""Triton kernels against their torch twins. On the CPU they run in the Triton interpreter (TRITON_INTERPRET=1,
-set by conftest), at small shapes; on a GPU the same file runs natively (see eval/gpu_check.sh).
+"""Triton kernels against their torch twins, on the CPU in the Triton interpreter (TRITON_INTERPRET=1, set by
+conftest), at small shapes. The tests build CPU tensors, so they do not run on a GPU as they are: the GPU check is
+`eval/bench_gpu.py --sections check` (`eval/gpu_check.sh`), the same comparisons at realistic shapes.
 Fresh random inputs per case, outputs poisoned before each run, tolerances scaled by the reference's own error."""
 
 import os
@@ -35,7 +36,7 @@ def test_float32_metadata_is_not_rounded_to_16_bits():
     outputs = []
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes, meta = _poisoned(1, 2, 24, 64, 1, torch.float32)
-        op(x, None, 0.9, codes, meta, 0, [], 0, [])
+        op(x, None, 0.9, codes, meta, 0, [], 0, [], [])
         outputs.append((codes, meta))
     assert torch.equal(outputs[0][1], outputs[1][1]) and torch.equal(outputs[0][0], outputs[1][0])
     assert not torch.equal(outputs[1][1], outputs[1][1].half().float())  # really float32 precision
@@ -65,7 +66,7 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, t
     quantize_pack_reference(x, rotation, ratio, ref_codes, ref_meta, start)
     codes, meta = _poisoned(b, h, cap, d, groups)
     if tiles_per_program is None:
-        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, [], 0, [])
+        torch.ops.oscar.quantize_pack(x, rotation, ratio, codes, meta, start, [], 0, [], [])
     else:
         quantize_pack_triton(x, rotation, ratio, codes, meta, start, tiles_per_program=tiles_per_program)
     # rows outside [start, start + n) are untouched, rows inside are all written
@@ -119,7 +120,7 @@ def test_channelwise_quantize_pack_matches_the_torch_twin(d, blocks, chunk, rota
     for op in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
         codes = torch.full((b, h, cap, d // 4), 0xAA, dtype=torch.uint8)
         meta = torch.full((b, cap // chunk, rows_per_chunk, d, 2), float("nan"), dtype=meta_dtype)
-        op(x, rotation, 1.0, codes, meta, start, list(blocks), chunk, [])
+        op(x, rotation, 1.0, codes, meta, start, list(blocks), chunk, [], [])
         outputs.append((codes, meta))
     (ref_codes, ref_meta), (codes, meta) = outputs
     rows, blk = slice(start, start + n), slice(start // chunk, (start + n) // chunk)
@@ -159,7 +160,7 @@ def test_quantize_pack_at_reads_its_first_row_on_the_device(kind, n, start):
         quantize_pack_reference(x, None, 0.9, *expected, start, list(blocks), chunk)
     for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
         codes, meta = fresh()
-        op(x, 0.9, codes, meta, torch.tensor([start]), list(blocks), chunk, 0, [])
+        op(x, 0.9, codes, meta, torch.tensor([start]), list(blocks), chunk, 0, [], [])
         assert torch.equal(codes, expected[0]), op
         assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
 
@@ -186,7 +187,7 @@ def test_quantize_pack_at_reads_a_key_chunk_from_a_ring_in_place(start):
         assert ((start + torch.arange(chunk)) % ring).tolist()[31:33] == [95, 0]
     for op in (quantize_pack_at_reference, torch.ops.oscar.quantize_pack_at):
         codes, meta = fresh()
-        op(ring_buf, 1.0, codes, meta, torch.tensor([start]), blocks, chunk, ring, [])
+        op(ring_buf, 1.0, codes, meta, torch.tensor([start]), blocks, chunk, ring, [], [])
         assert torch.equal(codes, expected[0]), op
         assert torch.equal(meta.isnan(), expected[1].isnan()) and torch.equal(meta.nan_to_num(), expected[1].nan_to_num()), op
 
@@ -211,7 +212,7 @@ def test_quantize_pack_writes_wide_heads_like_its_twin(chunk, n, start):
         codes = torch.full((b, h + 2, cap, d // 4), 0xAA, dtype=torch.uint8)
         meta = (torch.full((b, cap // chunk, KeyBlockLayout(tuple(blocks), chunk).rows_per_chunk, d, 2), float("nan"),
                            dtype=torch.float16) if chunk else torch.full((b, h, cap, 1, 2), float("nan"), dtype=torch.float16))
-        op(x, None, 1.0 if chunk else 0.9, codes, meta, start, blocks, chunk, wide)
+        op(x, None, 1.0 if chunk else 0.9, codes, meta, start, blocks, chunk, wide, [])
         outputs.append((codes, meta))
     (ref_codes, ref_meta), (codes, meta) = outputs
     assert torch.equal(codes, ref_codes) and torch.equal(meta.isnan(), ref_meta.isnan())
@@ -234,8 +235,114 @@ def test_quantize_pack_writes_wide_heads_like_its_twin(chunk, n, start):
     error = (got - stored).abs().mean((0, 2, 3))
     assert error[1] > 3 * error[0] and error[1] > 3 * error[2]  # the 2-bit head
     at = torch.full_like(codes, 0xAA), torch.full_like(meta, float("nan"))
-    torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.9, *at, torch.tensor([start]), blocks, chunk, 0, wide)
+    torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.9, *at, torch.tensor([start]), blocks, chunk, 0, wide, [])
     assert torch.equal(at[0], codes)  # the device-start op writes the same
+
+
+def _signed_permutations(h, d, gen):
+    """`[h, d, d]` random signed permutations: rotations whose products are exact in any summation order, so that a
+    rotating kernel can be held to its twin bit for bit."""
+    rot = torch.zeros(h, d, d)
+    for head in range(h):
+        signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+        rot[head, torch.arange(d), torch.randperm(d, generator=gen)] = signs
+    return rot
+
+
+def _exact_block_means(meta, rows, blocks, chunk, counts, first_chunk):
+    """`meta` (channel-wise keys of the rows `rows` `[B, H, L, d]`, written from chunk `first_chunk` on) with its
+    wide key channels' mean slots set to the exact block means: float64 sums (exact for 16-bit values), divided by
+    the block, rounded to float32 and then to the meta dtype, what the kernel stores. The twin's float32 `mean`
+    (`quant.quantize_wide_channels`) sums in torch's order and is a float32 ulp off where that sum is inexact (so at
+    most an ulp of the meta dtype after its rounding); elsewhere this changes nothing."""
+    from oscar_hf.quant import KeyBlockLayout
+
+    meta = meta.clone()
+    finfo = torch.finfo(meta.dtype)
+    b, _, length, d = rows.shape
+    for head, (block, offset) in enumerate(zip(blocks, KeyBlockLayout(tuple(blocks), chunk).offsets)):
+        n = counts[head]
+        if not n:
+            continue
+        own = rows[:, head, :, d - n :].double().reshape(b, length // chunk, chunk // block, block, n)
+        mean = (own.sum(3) / block).float().clamp(finfo.min, finfo.max).to(meta.dtype)
+        rows_meta = slice(first_chunk, first_chunk + length // chunk)
+        twin = meta[:, rows_meta, offset : offset + chunk // block, d - n :, 1]
+        assert torch.allclose(twin.float(), mean.float(), rtol=finfo.eps, atol=0)  # at most the last bit apart
+        meta[:, rows_meta, offset : offset + chunk // block, d - n :, 1] = mean
+    return meta
+
+
+@pytest.mark.parametrize("d,blocks,counts,head_bits,rotation,meta_dtype", [
+    (64, (64, 32, 128), (5, 0, 17), None, None, torch.float16),
+    (128, (64, 32, 128), (5, 0, 64), None, "permutation", torch.float32),  # n = d/2: every slot of head 2 paired
+    (64, (64, 32, 128), (0, 3, 32), (4, 2, 2), "permutation", torch.float32),  # a wide head (n = 0) beside them
+    (64, (32, 64), (17, 1), None, "orthogonal", torch.float16),  # rotated in the kernel: last bits may differ there
+])
+def test_quantize_pack_writes_wide_key_channels_like_its_twin(d, blocks, counts, head_bits, rotation, meta_dtype):
+    """Wide key channels (`quant.quantize_wide_channels`): per block, channels j < n at 4 bits, the high plane in
+    slot j under (4·s_j, m_j), the low plane in slot d − n + j under (s_j, μ), μ that slot's own channel's block
+    mean; written bit for bit as the twin writes them by `quantize_pack` (rotating or not), by `quantize_pack_at`
+    from a device start, and from a ring of rows read in place (the chunk at 192 wraps: ring slots 32..159 then 0)."""
+    from oscar_hf.quant import KeyBlockLayout, dequantize, QuantizedKeyChunks, wide_rows
+
+    g = torch.Generator().manual_seed(d + sum(counts))
+    h, b, chunk, start, cap = len(blocks), 2, 128, 128, 512
+    n = 2 * chunk
+    wide = list(wide_rows(head_bits)) if head_bits else []
+    layout = KeyBlockLayout(blocks, chunk)
+    x = (torch.randn(b, h, n, d, generator=g) * torch.randn(d, generator=g).exp() + torch.randn(d, generator=g))
+    x = x.to(torch.bfloat16)
+    rot = None
+    if rotation == "permutation":
+        rot = _signed_permutations(h, d, g).to(torch.bfloat16)
+    elif rotation == "orthogonal":
+        rot = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].to(torch.bfloat16)
+    rows = x if rot is None else torch.matmul(x, rot)  # the twin's rotated rows
+
+    def fresh():
+        return (torch.full((b, h + len([r for r in wide if r >= 0]), cap, d // 4), 0xAA, dtype=torch.uint8),
+                torch.full((b, cap // chunk, layout.rows_per_chunk, d, 2), float("nan"), dtype=meta_dtype))
+
+    def same(got, want):
+        return torch.equal(got[0], want[0]) and torch.equal(got[1].isnan(), want[1].isnan()) \
+            and torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+
+    expected = fresh()
+    quantize_pack_reference(x, rot, 1.0, *expected, start, list(blocks), chunk, wide, list(counts))
+    expected = expected[0], _exact_block_means(expected[1], rows.float(), blocks, chunk, counts, start // chunk)
+    got = fresh()
+    torch.ops.oscar.quantize_pack(x, rot, 1.0, *got, start, list(blocks), chunk, wide, list(counts))
+    written = (slice(None), slice(None), slice(start, start + n))
+    if rotation != "orthogonal":
+        assert same(got, expected)
+    else:  # the kernel's x·R may round its last bit elsewhere: the keys read back agree but for a few steps
+        assert torch.equal(got[1].isnan(), expected[1].isnan())
+        assert torch.allclose(got[1].nan_to_num().float(), expected[1].nan_to_num().float(), rtol=1e-2, atol=1e-3)
+        keys = [dequantize(QuantizedKeyChunks(c[written], m[:, start // chunk : (start + n) // chunk], 2, layout,
+                                              tuple(wide), tuple(counts))) for c, m in (got, expected)]
+        assert ((keys[0] - keys[1]).abs() > 1e-3).float().mean() <= 0.01
+    # the slots really hold the layout: without it the keys read back are far off (head 0's 4-bit channels, the
+    # last head's means)
+    view = QuantizedKeyChunks(expected[0][written], expected[1][:, start // chunk : (start + n) // chunk], 2, layout,
+                              tuple(wide), tuple(counts))
+    plain = QuantizedKeyChunks(view.codes, view.meta, 2, layout, tuple(wide))
+    assert (dequantize(view) - dequantize(plain)).abs().max() > 0.1
+
+    at = fresh()
+    torch.ops.oscar.quantize_pack_at(rows, 1.0, *at, torch.tensor([start]), list(blocks), chunk, 0, wide, list(counts))
+    assert same(at, expected)
+    # a ring of 160 slots with history rows 256..383 at slots j mod 160 (96..159, then 0..63): read in place
+    ring, first = 160, 256
+    ring_buf = torch.randn(b, h, ring, d, generator=g).to(rows.dtype)
+    ring_buf[:, :, (first + torch.arange(chunk)) % ring] = rows[:, :, chunk:]
+    twin = fresh()
+    quantize_pack_reference(rows[:, :, chunk:], None, 1.0, *twin, first, list(blocks), chunk, wide, list(counts))
+    expected = twin[0], _exact_block_means(twin[1], rows[:, :, chunk:].float(), blocks, chunk, counts, first // chunk)
+    for op, want in ((quantize_pack_at_reference, twin), (torch.ops.oscar.quantize_pack_at, expected)):
+        got = fresh()
+        op(ring_buf, 1.0, *got, torch.tensor([first]), list(blocks), chunk, ring, wide, list(counts))
+        assert same(got, want), op
 
 
 def test_key_block_tables_are_made_once_per_layout():
@@ -248,6 +355,28 @@ def test_key_block_tables_are_made_once_per_layout():
     assert key_block_table((32, 128, 64), 128, torch.device("cpu")) is table
     with pytest.raises(ValueError, match="divide"):
         key_block_table([48], 128, torch.device("cpu"))
+
+
+def _segments(wide_channels=(), **case):
+    """`test_attention.random_segments`, its op arguments in the ops' signature (wide key channels after the wide
+    rows). `wide_channels` (channel-wise keys): each KV head's wide key channels; the history keys are then drawn
+    afresh and quantized with them, and the reference is the twin's float32 attention."""
+    args, reference = random_segments(**case)
+    args = list(args[:22]) + [list(wide_channels)]
+    if any(wide_channels):
+        from oscar_hf.quant import KeyBlockLayout, quantize_key_chunks
+
+        gen = torch.Generator().manual_seed(case.get("seed", 0) + 1000)
+        q, n_hist, blocks, chunk, wide = args[0], args[13], args[19], args[20], args[21]
+        b, h, _, d = q.shape
+        raw = (torch.randn(b, h, n_hist + chunk, d, generator=gen) * torch.randn(1, 1, 1, d, generator=gen).exp()
+               + 3 * torch.randn(1, 1, 1, d, generator=gen))
+        keys = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk), wide=tuple(wide),
+                                   wide_channels=tuple(wide_channels))
+        args[3], args[4] = keys.codes, keys.meta
+        out, lse = segment_attention_reference(q.float(), *args[1:])  # float32 out: no rounding to q's dtype
+        reference = out.double(), lse.double()
+    return tuple(args), reference
 
 
 def _lowp_reference(args):
@@ -281,7 +410,7 @@ def _lowp_reference(args):
 ])
 def test_segment_attention_kernel_matches_the_twin(case):
     for seed in range(2):
-        args, (ref, ref_lse) = random_segments(dtype=torch.bfloat16, seed=seed, **case)
+        args, (ref, ref_lse) = _segments(dtype=torch.bfloat16, seed=seed, **case)
         out, lse = torch.ops.oscar.segment_attention(*args)
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
         valid = torch.isfinite(ref_lse)
@@ -292,6 +421,60 @@ def test_segment_attention_kernel_matches_the_twin(case):
         assert (out[~valid] == 0).all() and torch.isinf(lse[~valid]).all()
         if case.get("ns") == 5 and case.get("nh") == 0:
             assert not valid.all()  # this case exists to check the empty rows
+
+
+@pytest.mark.parametrize("case", [
+    # decode over per-head blocks (split tiles, the 32-bit meta-word loop), n up to d/2
+    dict(t=1, g=4, d=64, h=3, nh=256, key_blocks=(64, 32, 128), key_chunk=128, wide_channels=(5, 0, 17)),
+    dict(t=1, g=2, d=128, h=2, nh=128, key_blocks=(32, 128), key_chunk=128, wide_channels=(64, 3)),
+    # a prefill chunk with extra keys (64-row query tiles: the plain loop), a wide head beside heads with channels
+    dict(t=9, g=2, d=64, h=3, nh=128, ne=20, key_blocks=(128, 64, 32), key_chunk=128, head_bits=(4, 2, 2),
+         wide_channels=(0, 32, 3)),
+])
+def test_segment_attention_reads_wide_key_channels_like_its_twin(case):
+    """Wide key channels: slot c's scaled code meets the query of channel π(c), its minimum q_c itself; the kernel
+    agrees with the twin within the tolerance of the other cases, and reading the same bytes without the wide
+    channels does not (the layout matters in these cases)."""
+    args, (ref, ref_lse) = _segments(dtype=torch.bfloat16, seed=2, **case)
+    out, lse = torch.ops.oscar.segment_attention(*args)
+    valid = torch.isfinite(ref_lse)
+    err = (out.double() - ref)[valid].abs().max().item()
+    lowp_err = (_lowp_reference(args) - ref)[valid].abs().max().item()
+    assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+    assert torch.allclose(lse.double()[valid], ref_lse[valid], atol=5e-2)
+    plain, _ = segment_attention_triton(*args[:22], [])
+    assert (plain.double() - ref)[valid].abs().max().item() > 3 * (3 * lowp_err + 1e-2)
+    if case["t"] == 1 and case["d"] == 64:
+        torch.library.opcheck(torch.ops.oscar.segment_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_wide_key_channels_with_token_wise_keys_are_refused():
+    """Wide key channels are a layout of channel-wise keys: with token-wise keys every launcher raises (the torch
+    dispatcher `ops.segment_attention` drops them there), as do counts `quant.check_wide_channels` refuses."""
+    from oscar_hf.kernels.attention import decode_attention_triton
+
+    x = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    codes, meta = _poisoned(1, 2, 8, 64, 1)
+    with pytest.raises(ValueError, match="channel-wise"):
+        quantize_pack_triton(x, None, 0.9, codes, meta, 0, wide_channels=[3, 0])
+    with pytest.raises(ValueError, match="channel-wise"):
+        torch.ops.oscar.quantize_pack(x, None, 0.9, codes, meta, 0, [], 0, [], [3, 0])
+    args, _ = _segments(t=1, g=2, d=64, nh=16)
+    with pytest.raises(ValueError, match="channel-wise"):
+        segment_attention_triton(*args[:22], [3, 0])
+    static = _static_buffers(b=1, g=2, t=1, d=64, h=2, capacity=64, n_hist=40, ring=8, n_recent=4, ring_lo=2,
+                             blocks=(), chunk=0, seed=1)
+    with pytest.raises(ValueError, match="channel-wise"):
+        decode_attention_triton(*static[:15], wide_rows=static[15], wide_channels=[0, 5])
+    # counts out of [0, d/2], or given to a wide head
+    keys = torch.zeros(1, 2, 32, 16, dtype=torch.uint8), torch.zeros(1, 1, 2, 64, 2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="must lie in"):
+        quantize_pack_triton(x.repeat(1, 1, 4, 1), None, 1.0, *keys, 0, [32, 32], 32, wide_channels=[33, 0])
+    wide_codes = torch.zeros(1, 3, 32, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="wide heads"):
+        quantize_pack_triton(x.repeat(1, 1, 4, 1), None, 1.0, wide_codes, keys[1], 0, [32, 32], 32, wide_rows=[2, -1],
+                             wide_channels=[3, 0])
 
 
 @pytest.mark.parametrize("block_n,blocks,tile,split_tile_max", [
@@ -331,7 +514,7 @@ def test_split_tiles_of_128_give_the_same_attention(monkeypatch):
     monkeypatch.setitem(DEFAULT_LAUNCH, "split_tile_max", 128)
     assert key_tile(128, (64, 128)) == (128, True)
     for t in (1, 9):
-        args, (ref, ref_lse) = random_segments(t=t, g=2, d=64, h=3, nh=256, key_blocks=(128, 64, 128), key_chunk=128,
+        args, (ref, ref_lse) = _segments(t=t, g=2, d=64, h=3, nh=256, key_blocks=(128, 64, 128), key_chunk=128,
                                                dtype=torch.bfloat16, seed=8)
         out, lse = segment_attention_triton(*args, block_n=128)
         valid = torch.isfinite(ref_lse)
@@ -344,7 +527,7 @@ def test_split_tiles_of_128_give_the_same_attention(monkeypatch):
 def test_each_history_loop_of_the_default_layout_gives_the_same_attention(prefetch, l2_ahead):
     # the plain loop (16-bit meta), the register-prefetching loop and the loop that leaves loads in place (L2 hint
     # off in the interpreter) over (scale, minimum) words: one answer, several splits, per-head blocks
-    args, (ref, ref_lse) = random_segments(t=1, g=4, d=128, h=3, nh=384, key_blocks=(64, 32, 128), key_chunk=128,
+    args, (ref, ref_lse) = _segments(t=1, g=4, d=128, h=3, nh=384, key_blocks=(64, 32, 128), key_chunk=128,
                                            dtype=torch.bfloat16, seed=5)
     out, lse = segment_attention_triton(*args, target_programs=3, prefetch=prefetch, l2_ahead=l2_ahead)
     lowp_err = (_lowp_reference(args) - ref).abs().max().item()
@@ -353,7 +536,7 @@ def test_each_history_loop_of_the_default_layout_gives_the_same_attention(prefet
 
 
 def test_many_splits_merge_exactly():
-    args, (ref, ref_lse) = random_segments(t=1, g=4, d=64, nh=300, dtype=torch.bfloat16, seed=3)
+    args, (ref, ref_lse) = _segments(t=1, g=4, d=64, nh=300, dtype=torch.bfloat16, seed=3)
     one, lse1 = segment_attention_triton(*args, target_programs=1)
     many, lse2 = segment_attention_triton(*args, block_n=16, target_programs=64)
     assert torch.allclose(one.float(), many.float(), atol=2e-2)
@@ -368,7 +551,7 @@ def test_a_long_recent_window_splits_like_the_history():
     assert recent_split_plan(384, 64, 64) == (6, 64)
     assert recent_split_plan(384, 512, 64) == (1, 384)
     assert recent_split_plan(0, 64, 64) == (1, 64)
-    args, (ref, ref_lse) = random_segments(t=1, g=4, d=64, nh=64, nr=200, dtype=torch.bfloat16, seed=6)
+    args, (ref, ref_lse) = _segments(t=1, g=4, d=64, nh=64, nr=200, dtype=torch.bfloat16, seed=6)
     one, lse1 = segment_attention_triton(*args, target_programs=1)
     many, lse2 = segment_attention_triton(*args, block_n=16, target_programs=64)
     lowp_err = (_lowp_reference(args) - ref).abs().max().item()
@@ -379,20 +562,21 @@ def test_a_long_recent_window_splits_like_the_history():
 
 
 def test_custom_ops_have_consistent_fake_implementations():
-    args, _ = random_segments(t=1, g=2, d=64, nh=20, dtype=torch.bfloat16, seed=4)
+    args, _ = _segments(t=1, g=2, d=64, nh=20, dtype=torch.bfloat16, seed=4)
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
-    args, _ = random_segments(t=1, g=2, d=64, nh=64, key_blocks=(16, 32), key_chunk=32, dtype=torch.bfloat16, seed=4)
+    args, _ = _segments(t=1, g=2, d=64, nh=64, key_blocks=(16, 32), key_chunk=32, dtype=torch.bfloat16, seed=4)
     torch.library.opcheck(torch.ops.oscar.segment_attention.default, args, test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 1, 8, 64, dtype=torch.bfloat16)
     codes, meta = _poisoned(1, 1, 8, 64, 1)
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, [], 0, []),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 0.9, codes, meta, 0, [], 0, [], []),
                           test_utils=("test_schema", "test_faketensor"))
     x = torch.randn(1, 2, 32, 64, dtype=torch.bfloat16)
     codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
     meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)  # blocks (32, 16) in chunks of 32: R = 3
-    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32, []),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack.default, (x, None, 1.0, codes, meta, 32, [32, 16], 32, [], []),
                           test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.oscar.quantize_pack_at.default, (x, 1.0, codes, meta, torch.tensor([32]), [32, 16], 32, 0, []),
+    torch.library.opcheck(torch.ops.oscar.quantize_pack_at.default,
+                          (x, 1.0, codes, meta, torch.tensor([32]), [32, 16], 32, 0, [], []),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -503,7 +687,7 @@ def test_layouts_the_decode_kernel_cannot_read_are_refused_by_name(monkeypatch):
     assert "head_dim" in ops.attention_layout_problem(32, 1, 1, [])
     assert "key blocks" in ops.attention_layout_problem(128, 1, 0, [64, 48])  # one head's block is enough
     assert ops.attention_layout_problem(128, 1, 0, [64, 32, 384]) is None and ops.attention_layout_problem(64, 4, 4, []) is None
-    args, _ = random_segments(t=1, g=2, d=64, nh=16, groups=8, dtype=torch.bfloat16)
+    args, _ = _segments(t=1, g=2, d=64, nh=16, groups=8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="quantization groups"):  # the launcher itself never computes it wrongly
         segment_attention_triton(*args)
     monkeypatch.setenv("OSCAR_HF_KERNELS", "1")  # forced kernels: the op says why it cannot run, instead of a twin
@@ -512,7 +696,7 @@ def test_layouts_the_decode_kernel_cannot_read_are_refused_by_name(monkeypatch):
 
 
 def test_fp16_states_through_the_kernel():
-    args, (ref, ref_lse) = random_segments(t=2, g=4, d=64, nh=128, key_blocks=(32, 64), key_chunk=64, dtype=torch.float16,
+    args, (ref, ref_lse) = _segments(t=2, g=4, d=64, nh=128, key_blocks=(32, 64), key_chunk=64, dtype=torch.float16,
                                            seed=5)
     out, lse = torch.ops.oscar.segment_attention(*args)
     assert out.dtype == torch.float16
@@ -548,8 +732,8 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     hk, hv = layer.history_keys.buffers, layer.history_values.buffers
     args = (q, layer.sink_keys[:, :, :4], layer.sink_values[:, :, :4], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
             layer.ring_keys[:, :, :48], layer.ring_values[:, :, :48], mask, cache.plan.lengths, 1, 0.125,
-            *layer.history_keys.kernel_key_layout, [])
-    assert args[-2] == (16 if layout == "channel" else 0)
+            *layer.history_keys.kernel_key_layout, [], [])
+    assert args[-3] == (16 if layout == "channel" else 0)
     # n_sink, n_hist, n_recent, ring_lo, q_start: slots 32..47 then 0..11 of the ring of 48
     assert cache.plan.lengths.tolist() == [4, 128, 28, 32, 159]
     ref = decode_attention_reference(*args).double()
@@ -561,11 +745,12 @@ def test_decode_kernel_reads_a_static_cache_like_its_twin(layout):
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
-def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, blocks, chunk, seed, head_bits=None):
+def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, blocks, chunk, seed, head_bits=None,
+                    wide_channels=()):
     """Random buffers of a static cache as `decode_attention` reads them: sink, a history of `capacity` rows (a whole
     number of chunks; channel-wise keys in `blocks` per head, or token-wise when `chunk` is 0; `head_bits`: wide
-    heads) of which n_hist are valid, and a ring of `ring` slots holding n_recent tokens from slot ring_lo on
-    (wrapped)."""
+    heads; `wide_channels`: wide key channels per head) of which n_hist are valid, and a ring of `ring` slots holding
+    n_recent tokens from slot ring_lo on (wrapped). The op's arguments up to `wide_channels` (value_rotation after)."""
     from oscar_hf.quant import KeyBlockLayout, quantize_key_chunks, quantize_rows, wide_rows
 
     gen = torch.Generator().manual_seed(seed)
@@ -576,7 +761,7 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     raw = rnd(b, h, capacity, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
     wide = wide_rows(head_bits) if head_bits else ()
     if chunk:
-        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk), wide=wide)
+        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(tuple(blocks), chunk), wide=wide, wide_channels=wide_channels)
     else:
         hk = quantize_rows(raw, 2, d)
     hv = quantize_rows(rnd(b, h, capacity, d), 2, d, wide=wide)
@@ -587,7 +772,7 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     q_start = n_sink + n_hist + n_recent - t
     lengths = torch.tensor([n_sink, n_hist, n_recent, ring_lo, q_start], dtype=torch.int32)
     return (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, ring_k, ring_v, mask, lengths, t, d ** -0.5,
-            list(blocks) if chunk else [], chunk, list(wide))
+            list(blocks) if chunk else [], chunk, list(wide), list(wide_channels))
 
 
 @pytest.mark.parametrize("case", [
@@ -602,6 +787,10 @@ def _static_buffers(b, h, g, t, d, capacity, n_hist, ring, n_recent, ring_lo, bl
     dict(d=64, h=2, t=1, capacity=128, n_hist=0, blocks=(32, 64), chunk=64),        # no history yet
     dict(d=64, h=2, t=1, capacity=192, n_hist=100, blocks=(), chunk=0),             # token-wise keys
     dict(d=128, h=3, t=1, capacity=384, n_hist=200, blocks=(64, 32, 128), chunk=128, head_bits=(2, 4, 4)),  # wide heads
+    # wide key channels: split heads with n = 5 and 17, and n = d/2 beside a wide head, several query positions
+    dict(d=64, h=3, t=1, capacity=256, n_hist=168, blocks=(64, 32, 128), chunk=128, wide_channels=(5, 0, 17)),
+    dict(d=128, h=3, t=3, capacity=256, n_hist=200, blocks=(32, 64, 128), chunk=128, head_bits=(2, 4, 2),
+         wide_channels=(64, 0, 3)),
 ])
 def test_decode_kernel_reads_per_head_key_blocks_like_its_twin(case):
     """`oscar::decode_attention` on static-cache-shaped buffers (lengths on the device, ring wrapped) with each KV head's
@@ -618,6 +807,9 @@ def test_decode_kernel_reads_per_head_key_blocks_like_its_twin(case):
                                         else a for a in args)).double()
     err, lowp_err = (out.double() - ref).abs().max().item(), (lowp - ref).abs().max().item()
     assert err <= 3 * lowp_err + 1e-2, (err, lowp_err)
+    if case.get("wide_channels"):  # the same bytes read without the wide channels: far off
+        plain = torch.ops.oscar.decode_attention(*args[:16], [])
+        assert (plain.double() - ref).abs().max().item() > 3 * (3 * lowp_err + 1e-2)
     if case["chunk"] and case["n_hist"] == 200:
         torch.library.opcheck(torch.ops.oscar.decode_attention.default, args,
                               test_utils=("test_schema", "test_faketensor"))
@@ -706,7 +898,7 @@ def test_eager_calls_take_the_launchers_and_traced_calls_the_custom_ops(monkeypa
     for op in (custom_ops.EAGER["quantize_pack"], torch.ops.oscar.quantize_pack):
         codes = torch.zeros(1, 2, 64, 16, dtype=torch.uint8)
         meta = torch.zeros(1, 2, 1 + 2, 64, 2, dtype=torch.float16)
-        op(x, None, 1.0, codes, meta, 32, [32, 16], 32, [])
+        op(x, None, 1.0, codes, meta, 32, [32, 16], 32, [], [])
         written.append((codes, meta))
     assert torch.equal(written[0][0], written[1][0]) and torch.equal(written[0][1], written[1][1])
     assert written[0][0].any()

@@ -173,3 +173,46 @@ def test_wide_heads_are_their_4bit_codes_in_two_2bit_planes():
     assert torch.equal(keys[:, 1], dequantize_key_chunks(quantize_key_chunks(x, 2, layout))[:, 1])
     with pytest.raises(ValueError, match="2-bit history"):
         quantize_rows(x, 4, 64, wide=wide)
+
+
+def test_wide_key_channels_hold_4_bit_channels_and_block_means_in_the_2_bit_bytes():
+    """n wide key channels: channels 0..n-1 are their 4-bit quantization (high plane in their slot under 4s, low plane
+    in slot d-n+j under s), channels d-n..d-1 their block means, the rest plain 2-bit; a score through the paired
+    query is q·k̂; the counts are checked."""
+    from oscar_hf.quant import (check_wide_channels, dequantize_key_chunks, dequantize_wide_channels, paired_channels,
+                                quantize_wide_channels, wide_rows)
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 128, 64, generator=g) * torch.logspace(-1, 1, 64) + torch.randn(64, generator=g)
+    n, block = 11, 32
+    q = quantize_wide_channels(x, block, n)
+    assert q.codes.shape == (2, 128, 16) and q.meta.shape == (2, 4, 64, 2)
+    k = dequantize_wide_channels(q, n)
+    assert torch.allclose(k[..., :n], fake_quantize_channels(x[..., :12], 4, block)[..., :n], atol=1e-5)  # (12: whole bytes)
+    means = x[..., -n:].reshape(2, 4, block, n).mean(2).half().float()
+    assert torch.equal(k[..., -n:], means.repeat_interleave(block, 1))
+    assert torch.equal(k[..., n:-n], fake_quantize_channels(x, 2, block)[..., n:-n])
+    assert torch.equal(quantize_wide_channels(x, block, 0).codes, quantize_channels(x, 2, block).codes)
+    pi = paired_channels(64, n)
+    assert pi[:-n].tolist() == list(range(64 - n)) and pi[-n:].tolist() == list(range(n))
+    query = torch.randn(64, generator=g)
+    codes, meta = unpack_2bit_u8(q.codes).float(), q.meta.float().repeat_interleave(block, 1)
+    scores = (query[pi] * meta[..., 0] * codes).sum(-1) + (query * meta[..., 1]).sum(-1)
+    assert torch.allclose(scores, k @ query, atol=1e-4)
+    # in the cache's layout, per head; a wide head takes no wide channels
+    layout = KeyBlockLayout((32, 64, 128), 128)
+    xs = torch.stack([x, 2 * x, x + 1], 1)
+    chunks = quantize_key_chunks(xs, 2, layout, wide_channels=(n, 0, 5))
+    dense = dequantize_key_chunks(chunks)
+    assert torch.equal(dense[:, 0], dequantize_wide_channels(quantize_wide_channels(x, 32, n), n))
+    assert torch.equal(dense[:, 1], fake_quantize_channels(2 * x, 2, 64))
+    assert torch.equal(dense[:, 2], dequantize_wide_channels(quantize_wide_channels(x + 1, 128, 5), 5))
+    assert check_wide_channels((0, 0, 0), 3, 64) == ()
+    with pytest.raises(ValueError, match="in \\[0, 32\\]"):
+        check_wide_channels((33, 0, 0), 3, 64)
+    with pytest.raises(ValueError, match="for 3 KV heads"):
+        check_wide_channels((1, 2), 3, 64)
+    with pytest.raises(ValueError, match="take no wide key channels"):
+        quantize_key_chunks(xs, 2, layout, wide=wide_rows((4, 2, 2)), wide_channels=(3, 0, 0))
+    with pytest.raises(ValueError, match="2-bit history"):
+        quantize_key_chunks(xs, 4, layout, wide_channels=(3, 0, 0))

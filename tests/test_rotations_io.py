@@ -223,7 +223,7 @@ def test_key_blocks_round_trip_and_are_checked(tmp_path):
     rot.key_blocks = {l: (32, 128) for l in rot.layers}
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 5 and meta["key_blocks"]["0"] == [32, 128]
+    assert meta["format_version"] == 6 and meta["key_blocks"]["0"] == [32, 128]
     assert meta["layout"] == {"key_granularity": "channel", "demotion_block": 128, "key_block": 64,
                               "key_block_allocation": "fitted"}
     loaded = OscarRotations.from_pretrained(tmp_path)
@@ -241,7 +241,7 @@ def test_head_bits_round_trip_are_checked_and_format_4_files_have_none(tmp_path)
     rot.head_bits = {l: (4, 2) for l in rot.layers}
     rot.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
-    assert meta["format_version"] == 5 and meta["head_bits"]["0"] == [4, 2]
+    assert meta["format_version"] == 6 and meta["head_bits"]["0"] == [4, 2]
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.head_bit(1) == (4, 2) and loaded.wide_heads == [(l, 0) for l in rot.layers]
     rewrite_rotation_file(tmp_path, rot, lambda m: m["head_bits"].update({"0": [3, 2]}))
@@ -267,3 +267,19 @@ def test_format_3_files_load_with_one_key_block_everywhere(tmp_path):
     assert loaded.layout == {"key_granularity": "channel", "demotion_block": 64, "key_block": 64,
                              "key_block_allocation": "uniform"}
     assert loaded.key_blocks is None
+
+
+def test_key_wide_channels_round_trip_are_checked_and_format_5_files_have_none(tmp_path):
+    rot = _rotations()  # head_dim 16, 2 KV heads
+    rot.head_bits = {l: (4, 2) for l in rot.layers}
+    rot.key_wide_channels = {l: (0, 3) for l in rot.layers}
+    rot.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert meta["format_version"] == 6 and meta["key_wide_channels"]["0"] == [0, 3]
+    assert OscarRotations.from_pretrained(tmp_path).key_wide_channel(1) == (0, 3)
+    for bad, match in (([0, 9], "in \\[0, 8\\]"), ([2, 3], "0 for the wide heads"), ([3], "expected 2 counts")):
+        rewrite_rotation_file(tmp_path, rot, lambda m: m["key_wide_channels"].update({"0": bad}))
+        with pytest.raises(RotationFileError, match=f"key_wide_channels of layer 0 are .*{match}"):
+            OscarRotations.from_pretrained(tmp_path)
+    rewrite_rotation_file(tmp_path, rot, lambda m: m.update({"format_version": 5}) or m.pop("key_wide_channels"))
+    assert OscarRotations.from_pretrained(tmp_path).key_wide_channels is None  # version 5: 2 bits in every channel

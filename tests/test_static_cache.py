@@ -14,16 +14,21 @@ from oscar_hf.static_cache import history_rows
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, value_clip=0.95)
 LAYOUTS = {"channel": OscarConfig(**SMALL), "token": OscarConfig(**SMALL, key_granularity="token", key_clip=0.9),
            # per-head key blocks (8 and 4 tokens) in chunks of 8, as a fitted allocation gives them
-           "mixed": OscarConfig(**{**SMALL, "demotion_block": 8})}
+           "mixed": OscarConfig(**{**SMALL, "demotion_block": 8}),
+           # ... with wide key channels in head 0 and a wide (4-bit) head 1, as format 6 files give them
+           "wide": OscarConfig(**{**SMALL, "demotion_block": 8, "key_channel_bits": "fitted"})}
 
 
 def _pair(family="llama", layout="channel", max_cache_len=200, **model_kw):
     model = tiny_model(family, **model_kw)
     rot = OscarRotations.data_free(model, "hadamard")
     config = LAYOUTS[layout]
-    if layout == "mixed":
+    if layout in ("mixed", "wide"):
         rot.key_blocks = {layer: (8, 4) for layer in rot.layers}
         rot.layout.update(key_block=config.key_block, demotion_block=config.demotion_block)  # what the file was fitted for
+    if layout == "wide":
+        rot.head_bits = {layer: (2, 4) for layer in rot.layers}
+        rot.key_wide_channels = {layer: (5, 0) for layer in rot.layers}
     return model, OscarCache(model, rot, config), StaticOscarCache(model, rot, config, max_cache_len=max_cache_len)
 
 
@@ -46,11 +51,13 @@ def _assert_same_storage(dyn, sta):
 
 
 @pytest.mark.parametrize("family,layout", [("llama", "channel"), ("llama", "token"), ("gemma3", "channel"),
-                                           ("llama", "mixed")])
+                                           ("llama", "mixed"), ("llama", "wide")])
 def test_prefill_decode_and_chunks_store_and_attend_like_the_dynamic_cache(family, layout):
     model, dyn, sta = _pair(family, layout)
-    if layout == "mixed":
+    if layout in ("mixed", "wide"):
         assert dyn.layers[0].key_layout.blocks == sta.layers[0].key_layout.blocks == (8, 4)
+    if layout == "wide":
+        assert dyn.layers[0].history_keys.wide_channels == sta.layers[0].history_keys.wide_channels == (5, 0)
     with torch.no_grad():
         steps = [_ids(2, 37, 0)] + [_ids(2, 1, s) for s in range(1, 30)] + [_ids(2, 9, 99)] + [_ids(2, 1, s) for s in range(5)]
         for ids in steps:  # 30 single steps: blocks complete and the ring wraps (R = 8 + 2·4 = 16)

@@ -163,8 +163,9 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
     r = windows.residual
     methods = [
         Method("bf16", "BF16 DynamicCache", "bf16"),
-        Method("oscar", "OSCAR INT2, oscar-hf default (channel-wise keys over blocks of 64 in a per-head basis chosen "
-               "on held-out error; values U·H·P token-wise, fitted clips)", "oscar", "calibrated", oscar_config(windows)),
+        Method("oscar", "OSCAR INT2, oscar-hf default (channel-wise keys over per-head blocks, each 2-bit head's raw "
+               "channels at 0/2/4 bits water-filled by held-out query energy x key error, 4-bit heads in a per-head "
+               "basis; values U·H·P token-wise, fitted clips)", "oscar", "calibrated", oscar_config(windows)),
         Method("oscar-token", "OSCAR INT2 in the paper's layout (token-wise keys, per-head U·H·P, fitted clips)",
                "oscar", "calibrated", paper_layout(windows)),
         Method("oscar-ref", "OSCAR reference recipe (paper layout, per-layer R, logit V target, clips 0.96/0.92)",
@@ -259,6 +260,13 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         # per head among 16/32/64 (keys 3 bits, history 2.75 at head_dim 64; 2.625 at 128, over that budget)
         ("oscar-kb32-fitted", "the default at key_block 32 (per-head blocks of 16/32/64): history 2.75 bits at "
          "head_dim 64", base.replace(key_block=32)),
+        # attention-aware key channel widths (format 6): same bytes, each 2-bit head's raw channels at 0/2/4 bits
+        ("oscar-wide-channels", "water-filled key channels (0/2/4 bits by held-out query energy x key error, raw "
+         "post-RoPE channels; OscarConfig.key_channel_bits='fitted', the default since format 6)",
+         base.replace(key_channel_bits="fitted")),
+        ("oscar-uniform-channels", "the default with 2 bits in every key channel of the per-head basis (OscarConfig."
+         "key_channel_bits='uniform': format 5's default, the `oscar` rows measured before 2026-12-05)",
+         base.replace(key_channel_bits="uniform")),
     ]
     return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
 
@@ -295,6 +303,8 @@ def calibration_key(config: OscarConfig) -> str:
         key += ",clip_grid=" + "/".join(f"{r:g}" for r in config.clip_grid)
     if config.wide_layout and config.wide_heads != "none":
         key += f",wide_heads={config.wide_heads},wide_history_bits={config.wide_history_bits}"
+    if config.wide_channel_layout and config.key_channel_bits != "uniform":
+        key += f",key_channel_bits={config.key_channel_bits}"
     return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
 
 
