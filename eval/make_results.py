@@ -19,11 +19,11 @@ MODEL_ORDER = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-cod
 MAIN = ["bf16", "oscar", "oscar-token", "oscar-ref", "naive-int2", "hadamard-int2", "kivi2", "kivi2-g64", "kivi2-g128",
         "oscar-s32w64", "hf-hqq-int2", "naive-int4"]
 DOMAINS = {"": "essays (in-domain)", "_python": "Python code", "_shakespeare": "Shakespeare plays"}
-# the default against itself without wide heads, the paper layout and KIVI-2
-HEADLINE = ["bf16", "oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"]
+# the default (format 6) against format 5's default (2 bits in every key channel), the paper layout and KIVI-2
+HEADLINE = ["bf16", "oscar", "oscar-uniform-channels", "oscar-token", "kivi2-g64", "kivi2"]
 LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "oscar-ch-id", "oscar-ch-auto",
-          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar", "oscar-h-keys",
-          "oscar-hpref2", "kivi2-g64", "kivi2"]
+          "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar-uniform-channels",
+          "oscar-h-keys", "oscar-hpref2", "oscar", "kivi2-g64", "kivi2"]
 
 
 def load(model: str, stage: str, root: Path | None = None):
@@ -53,32 +53,6 @@ def fmt(x, digits=2):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.{digits}f}"
-
-
-# The first runs with wide heads (rotation format 5) date from here. An `oscar` cell measured earlier is the format-4
-# default, which `oscar-no-wide` names now; tables mark it with STALE. Cells a file carried over from an earlier run
-# keep only that run's date, so the date decides for them; a file's own runs record their OscarConfig.
-WIDE_HEADS_SINCE = "2026-12-03 19:00"
-STALE = "†"
-STALE_NOTE = (f"{STALE} measured before wide heads, with the previous default (what `oscar-no-wide` is now); on a "
-              "model whose calibration picks no wide head (gemma3-270m: head_dim 256 leaves no room under its "
-              "budget) the two are the same cache.")
-
-
-def predates_wide(meta: dict, name: str, cell: str | None = None, records: list[dict] | None = None) -> str:
-    """STALE when the `oscar` result (of per-trial `cell` "oscar@length", if given) was measured before wide heads.
-    A cell whose trials all carry their run's date (runs since 2026-12-04; a cell may gather several runs) is judged
-    by its oldest trial."""
-    if name != "oscar":
-        return ""
-    trials = [r for r in records or () if f"{r['method']}@{r['length']}" == cell]
-    if trials and all("date" in r for r in trials):
-        return STALE if min(r["date"] for r in trials) < WIDE_HEADS_SINCE else ""
-    cells = (meta.get("carried_over") or {}).get("cells")
-    if cell is not None and isinstance(cells, dict) and cell in cells:
-        return STALE if cells[cell]["date"] < WIDE_HEADS_SINCE else ""
-    config = meta.get("methods", {}).get(name, {}).get("oscar_config", {})
-    return "" if "wide_heads" in config else STALE
 
 
 def models() -> list[str]:
@@ -129,7 +103,6 @@ def niah_lines(rows: list[tuple[str, str, dict]], methods: list[str], target: bo
         table = niah_table(data["results"])
         for L in sorted({r["length"] for r in data["results"]}):
             cells = [f"{table[m]['by_length'][L][0]}/{table[m]['by_length'][L][1]}"
-                     f"{predates_wide(data['meta'], m, f'{m}@{L}', data['results'])}"
                      if m in table and L in table[m]["by_length"] else "–" for m in methods]
             if target:
                 cells.append(within_one_hit(data["results"], L))
@@ -315,21 +288,18 @@ def ppl_section(model: str, ppl: dict, niah: dict | None) -> list[str]:
         if name not in res:
             continue
         r = res[name]
-        cells = [f"`{name}`", fmt(r["perplexity"]) + predates_wide(meta, name), f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%",
+        cells = [f"`{name}`", fmt(r["perplexity"]), f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%",
                  fmt(r["bits"]["bits_per_element"], 3), fmt(meta["methods"][name]["history_bits"], 3)]
         if lengths:
             n = niah_acc.get(name)
             for L in lengths:
-                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}{predates_wide(niah['meta'], name, f'{name}@{L}', niah['results'])}"
+                cells.append(f"{n['by_length'][L][0]}/{n['by_length'][L][1]}"
                              if n and L in n["by_length"] else "–")
             cells.append(f"**{n['hits']}/{n['n']}**" if n else "–")
             long_bits = [b for L, b in n["bits"] if L == lengths[-1]] if n else []
             cells.append(fmt(sum(long_bits) / len(long_bits), 3) if long_bits else "–")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    if any(predates_wide(m, "oscar") for m in [meta] + ([niah["meta"]] if niah else [])) or (
-            niah and any(predates_wide(niah["meta"], "oscar", f"oscar@{L}", niah["results"]) for L in lengths)):
-        lines += [STALE_NOTE, ""]
     lines.append(f"Perplexity: {d['sequences']} × {d['sequence_length']} tokens of {d['source']}; the first "
                  f"{d['context']} tokens of each sequence go into the cache, the rest is scored in chunks of {d['chunk']} "
                  f"({d['scored_tokens']} scored tokens in all). Windows: {meta['windows']}. bits/elem: bytes the "
@@ -357,10 +327,11 @@ def layout_bits(method: str, head_dim: int, tokens: int) -> float | None:
     paper layout: sink 64 + window 256..263, 2 + 32/d for both; KIVI-2 (residual 128): keys in blocks of G tokens
     once 128 full-precision keys have gathered, values per token in groups of min(G, d) beyond the last 128."""
     sink, window = 64, 256
-    if method in ("oscar", "oscar-no-wide", "oscar-token"):
+    if method in ("oscar", "oscar-uniform-channels", "oscar-no-wide", "oscar-token"):
         from oscar_hf import OscarConfig
 
-        config = {"oscar": OscarConfig(), "oscar-no-wide": OscarConfig(wide_heads="none"),
+        config = {"oscar": OscarConfig(), "oscar-uniform-channels": OscarConfig(key_channel_bits="uniform"),
+                  "oscar-no-wide": OscarConfig(wide_heads="none"),
                   "oscar-token": OscarConfig(key_granularity="token", demotion_block=8)}[method]
         hist = max(tokens - sink - window, 0) // config.demotion_block * config.demotion_block
         return ((tokens - hist) * 16 + hist * config.history_bits_per_element(head_dim)) / tokens
@@ -384,7 +355,11 @@ def layout_section() -> list[str]:
            "the data-free H·P and none, by held-out attention error; values token-wise after OSCAR's U·H·P rotation "
            "and fitted clip; and the KV heads that retrieve by content (a data-free induction score at calibration) "
            "at 4 bits, as many as fit in 2.75 history bits at head_dim 64 and 2.4375 at 128 (`oscar-no-wide`: none, "
-           "the previous default). `oscar-token` is OSCAR in the paper's layout (token-wise keys). "
+           "format 4's default); and in each 2-bit head (format 6) the raw post-RoPE key channels at 0, 2 or 4 bits, "
+           "water-filled at calibration by held-out query energy × key error at 2 bits on average, in the same bytes "
+           "(`oscar-uniform-channels`: 2 bits in every channel of the chosen basis, format 5's default; its rows are "
+           "the `oscar` rows measured before 2026-12-05, renamed by `eval/migrate_results_format6.py`). "
+           "`oscar-token` is OSCAR in the paper's layout (token-wise keys). "
            "Calibration is always the default essays; `python` and `shakespeare` are text the calibration never saw "
            "in kind (`oscar_hf/evaluation/domains.py`). KIVI-2 is data-free, so its domain gap is the reference.", ""]
     rows = []
@@ -402,12 +377,12 @@ def layout_section() -> list[str]:
             for m in HEADLINE:
                 r = res.get(m)
                 cells.append("–" if r is None else fmt(r["perplexity"]) if m == "bf16" else
-                             f"{fmt(r['perplexity'])}{predates_wide(ppl['meta'], m)} "
+                             f"{fmt(r['perplexity'])} "
                              f"({100 * (r['perplexity'] / bf16 - 1):+.1f}%)")
             out.append(f"| {model} | {domain} | " + " | ".join(cells) + " |")
         out += ["", "(Perplexity through the cache, the protocol of the main tables; in brackets the change against "
                 "BF16 on the same text.) Commands and provenance are in each model's section below and in the JSON "
-                "files `ppl.json`, `ppl_python.json`, `ppl_shakespeare.json`. " + STALE_NOTE, ""]
+                "files `ppl.json`, `ppl_python.json`, `ppl_shakespeare.json`.", ""]
         wide = []
         for model in models():  # the newest calibration record of this model's default rotations that names them
             cals = [data["meta"].get("calibration", {}).get("oscar", {})
@@ -421,7 +396,7 @@ def layout_section() -> list[str]:
                 f"{model} {len(heads)} of {n} KV heads" for model, heads, n in wide) + ".", ""]
     bits = ["| layout | history bits, head_dim 64 / 128 | all bits at 8K, d=64 / d=128 | at 32K, d=128 | at 128K, d=128 |",
             "|---|---|---|---|---|"]
-    for m in ("oscar", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"):
+    for m in ("oscar", "oscar-uniform-channels", "oscar-no-wide", "oscar-token", "kivi2-g64", "kivi2"):
         hist = {64: layout_bits(m, 64, 10**9), 128: layout_bits(m, 128, 10**9)}
         bits.append(f"| `{m}` | {fmt(hist[64], 3)} / {fmt(hist[128], 3)} | {fmt(layout_bits(m, 64, 8192), 3)} / "
                     f"{fmt(layout_bits(m, 128, 8192), 3)} | {fmt(layout_bits(m, 128, 32768), 3)} | "
@@ -439,7 +414,7 @@ def layout_section() -> list[str]:
         out += ["", "Trials: seeded depths × seeds per length (`oscar-hf eval niah --lengths ... --depths ... --seeds "
                 "...`; `--needles 4`: four needles of the same pattern with different names and numbers, one asked "
                 "for); the haystack is prefilled once in BF16 and each method's cache is built from it; the question "
-                "runs through the cache. Commands in each JSON's meta. " + STALE_NOTE, ""]
+                "runs through the cache. Commands in each JSON's meta.", ""]
     out += gpu_niah_section()
     for model in models():
         data = load(model, "format_ppl")
@@ -458,7 +433,7 @@ def layout_section() -> list[str]:
                 change = "–" if name == "bf16" or not bf16 else f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%"
                 label = meta["methods"][name]["label"] if name != "bf16" else "no quantization"
                 bits = fmt(meta["methods"][name]["history_bits"], 3) if name != "bf16" else "16"
-                out.append(f"| `{name}` | {label} | {fmt(r['perplexity'])}{predates_wide(meta, name)} | {change} | "
+                out.append(f"| `{name}` | {label} | {fmt(r['perplexity'])} | {change} | "
                            f"{bits} |" + "".join(f" {hits.get(name, '–')} |" for hits in columns.values()))
         out += ["", f"Provenance: {provenance(meta)}"]
         if columns:
@@ -494,11 +469,10 @@ def lever_needles(model: str) -> dict[str, dict[str, str]]:
         data = load(model, stage, RESULTS / folder)
         if not data:
             continue
-        table, cell = niah_table(data["results"]), f"oscar@{length}"
+        table = niah_table(data["results"])
         hits = {m: f"{t['by_length'][length][0]}/{t['by_length'][length][1]}"
-                   f"{predates_wide(data['meta'], m, cell, data['results'])}"
                 for m, t in table.items() if length in t["by_length"]}
-        if len(set(hits) & (set(LEVERS) - {"oscar", "kivi2-g64", "kivi2"})) >= 3:
+        if len(set(hits) & (set(LEVERS) - {"oscar", "oscar-uniform-channels", "kivi2-g64", "kivi2"})) >= 3:
             out[column] = hits
     return out
 
@@ -769,12 +743,11 @@ def main(argv=None) -> None:
                "| method | " + " | ".join(all_ppl) + " |", "|---|" + "---|" * len(all_ppl)]
     for name in MAIN:
         if any(name in d["results"] for d in all_ppl.values()):
-            cells = [fmt(d["results"][name]["perplexity"]) + predates_wide(d["meta"], name)
+            cells = [fmt(d["results"][name]["perplexity"])
                      + f" ({fmt(d['results'][name]['bits']['bits_per_element'], 2)} b)"
                      if name in d["results"] else "–" for d in all_ppl.values()]
             summary.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences. "
-                + STALE_NOTE + ")", ""]
+    summary += ["", "(PPL, and in brackets the bits per element really stored at the end of the 2048-token sequences.)", ""]
     notes = notes_path.read_text().splitlines() if notes_path.is_file() else []
     text = head + layout_section() + summary + body + centering_section() + closing_note(all_ppl, all_niah, ablations) + paper_comparison(ablations, all_ppl) + notes
     (EVAL / "RESULTS.md").write_text("\n".join(text) + "\n")

@@ -569,7 +569,8 @@ def wide_channel_order(bits: torch.Tensor) -> tuple[int, torch.Tensor]:
     zero = (bits == 0).nonzero().flatten()
     n = min(len(four), len(zero))
     four, zero = four[:n], zero[len(zero) - n :]
-    middle = [c for c in range(bits.shape[0]) if c not in set(four.tolist()) | set(zero.tolist())]
+    paired = set(four.tolist()) | set(zero.tolist())
+    middle = [c for c in range(bits.shape[0]) if c not in paired]
     order = four.tolist() + middle + zero.tolist()
     perm = torch.zeros(bits.shape[0], bits.shape[0], dtype=torch.float64)
     perm[order, torch.arange(bits.shape[0])] = 1.0
@@ -758,7 +759,7 @@ def calibrate(
         retrieval = retrieval_scores(model, tokenizer)
         head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, key_blocks)
     key_wide_channels = channel_widths = None
-    if config.key_channel_bits == "fitted" and config.wide_channel_layout and heldout and config.bits < 16:
+    if config.key_channel_bits == "fitted" and config.wide_channel_layout and heldout:
         # (without held-out tokens there is nothing to weigh the channels on: 2 bits in each, like the key blocks)
         key_wide_channels, channel_widths = {}, {}
         for layer in geometry.oscar_layers:

@@ -128,3 +128,51 @@ def test_the_retrieval_target_counts_one_hit_per_ten_trials_on_shared_trials():
     variant = [dict(r, method="oscar-ch-h", hit=r["seed"] == 0) for r in first_seeds if r["seed"] < 2]
     lines = mr.variant_lines([("m", "1 needle", {"results": first_seeds + oscar + variant})], ["bf16", "oscar"])
     assert lines[2] == "| m | 1 needle | 4096 | `oscar-ch-h` | 5/10 | 10/10 | 8/10 |"
+
+
+def test_trials_of_one_name_measured_with_two_configurations_are_refused(tmp_path):
+    from oscar_hf.evaluation.runner import merge_record_files
+
+    old = _niah_file(tmp_path / "old.json", "m", [("oscar", 8192, 0.1, 0, True), ("oscar", 4096, 0.1, 0, False)], "old")
+    new = _niah_file(tmp_path / "new.json", "m", [("oscar", 4096, 0.1, 0, True)], "new")
+    data = json.loads(new.read_text())
+    data["meta"]["methods"]["oscar"]["oscar_config"]["key_channel_bits"] = "fitted"  # the default changed since
+    new.write_text(json.dumps(data))
+    # the 8K trial would stay under `oscar` beside a 4K trial of another cache: refused, naming the field
+    with pytest.raises(ValueError, match=r"'oscar' measured with another configuration \(oscar_config.key_channel_bits"):
+        merge_record_files(old, new)
+    # measuring every trial again replaces them all: nothing of the old configuration stays
+    data["results"].append(dict(data["results"][0], length=8192))
+    new.write_text(json.dumps(data))
+    assert {r["length"] for r in merge_record_files(old, new)["results"]} == {4096, 8192}
+
+
+def test_the_format6_migration_renames_by_configuration(tmp_path):
+    import importlib.util
+
+    from oscar_hf.evaluation.methods import all_methods
+
+    spec = importlib.util.spec_from_file_location("migrate", REPO / "eval" / "migrate_results_format6.py")
+    migrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migrate)
+    current = all_methods()
+    before = current["oscar-uniform-channels"].describe()
+    for field in ("key_channel_bits", "key_basis_hadamard_preference"):  # fields the format-5 code did not write
+        del before["oscar_config"][field]
+    trial = {"length": 4096, "depth": 0.1, "seed": 0, "hit": True}
+    records = [dict(trial, method="oscar", date="2026-12-04 10:00:00 UTC"),  # format 5: wide heads
+               dict(trial, method="oscar", seed=1, date="2026-12-02 10:00:00 UTC"),  # before wide heads: format 4
+               dict(trial, method="oscar-wide-channels", hit=False, date="2026-12-05 02:00:00 UTC"),
+               dict(trial, method="bf16", date="2026-12-04 10:00:00 UTC")]
+    meta = {"date": "2026-12-05 02:00:00 UTC", "command": "c", "versions": {},
+            "methods": {"oscar": before, "oscar-wide-channels": current["oscar"].describe(), "bf16": {}},
+            "calibration": {"oscar": {"wide_heads": [[1, 0]]}, "oscar-wide-channels": {"wide_heads": [[2, 0]]}}}
+    data, notes = migrate.migrate({"meta": meta, "results": records}, current)
+    names = {(r["method"], r["seed"], r["hit"]) for r in data["results"]}
+    assert names == {("oscar-uniform-channels", 0, True), ("oscar-no-wide", 1, True), ("oscar", 0, False),
+                     ("bf16", 0, True)}
+    assert data["meta"]["calibration"]["oscar"] == {"wide_heads": [[2, 0]]}
+    assert data["meta"]["methods"]["oscar"]["oscar_config"]["key_channel_bits"] == "fitted"
+    assert data["meta"]["methods"]["oscar-no-wide"]["oscar_config"]["wide_heads"] == "none"
+    again, notes = migrate.migrate(json.loads(json.dumps(data)), current)
+    assert again == data and notes == []  # a second run changes nothing

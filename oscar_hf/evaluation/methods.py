@@ -145,7 +145,8 @@ def oscar_config(windows: Windows, **changes) -> OscarConfig:
 def paper_layout(windows: Windows, **changes) -> OscarConfig:
     """The paper's storage layout: token-wise keys (clipped, one scale/minimum per token), demotion in blocks of 8,
     the calibrated key rotation kept as it is."""
-    return oscar_config(windows, key_granularity="token", demotion_block=8, choose_key_basis=False, **changes)
+    return oscar_config(windows, key_granularity="token", demotion_block=8, choose_key_basis=False,
+                        key_channel_bits="uniform", **changes)
 
 
 def reference_config(windows: Windows) -> OscarConfig:
@@ -226,8 +227,10 @@ def centering_methods(windows: Windows = Windows()) -> dict[str, Method]:
 
 def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
     """The storage-format study (issue: "a 2-bit cache you can trust"): token-wise keys (the paper's recipe and the
-    centered variant) against channel-wise keys over demoted blocks, with each key rotation."""
-    base = oscar_config(windows)
+    centered variant) against channel-wise keys over demoted blocks, with each key rotation. The levers are changes
+    to format 5's default (2 bits in every key channel, `oscar-uniform-channels`), on which they were measured; the
+    default (`oscar`) is that with water-filled key channels."""
+    base = oscar_config(windows, key_channel_bits="uniform")
     b128 = base.replace(key_block=128, key_block_allocation="uniform")
     b64 = base.replace(key_block_allocation="uniform")
     fixed = b128.replace(choose_key_basis=False)
@@ -242,31 +245,27 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
          b64.replace(choose_key_basis=False, key_target="identity")),
         ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
          b64.replace(choose_key_basis=False, key_target="query")),
-        ("oscar-uniform-b64", "the default with key blocks of 64 for every head (no per-head allocation)", b64),
-        ("oscar-h-keys", "the default with keys in the data-free H·P basis for every head (no per-head basis choice)",
+        ("oscar-uniform-b64", "format 5's default with key blocks of 64 for every head (no per-head allocation)", b64),
+        ("oscar-h-keys", "format 5's default with keys in the data-free H·P basis for every head (no per-head basis choice)",
          base.replace(choose_key_basis=False, key_target="hadamard")),
-        ("oscar-hpref2", "the default, the data-free H·P key basis kept unless another's held-out error is 2x lower",
+        ("oscar-hpref2", "format 5's default, the data-free H·P key basis kept unless another's held-out error is 2x lower",
          base.replace(key_basis_hadamard_preference=2.0)),
-        ("oscar-no-wide", "the default without wide heads (every head at 2 bits: the previous default, format 4)",
+        ("oscar-no-wide", "format 5's default without wide heads (every head at 2 bits: format 4's default)",
          base.replace(wide_heads="none")),
-        ("oscar-values-g128", "the default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
+        ("oscar-values-g128", "format 5's default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
          "2.375 like head_dim 128)", base.replace(group_size=128)),
         # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
-        ("oscar-diag-keys-b32", "diagnostic: the default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
+        ("oscar-diag-keys-b32", "diagnostic: format 5's default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
          base.replace(key_block=32, key_block_allocation="uniform")),
-        ("oscar-diag-values-g32", "diagnostic: the default with value groups of 32 (values 3 bits/element)",
+        ("oscar-diag-values-g32", "diagnostic: format 5's default with value groups of 32 (values 3 bits/element)",
          base.replace(group_size=32)),
         # the head_dim-64 budget of the accuracy issue (history <= 2.75 bits): key metadata of 32 on average, allocated
         # per head among 16/32/64 (keys 3 bits, history 2.75 at head_dim 64; 2.625 at 128, over that budget)
-        ("oscar-kb32-fitted", "the default at key_block 32 (per-head blocks of 16/32/64): history 2.75 bits at "
+        ("oscar-kb32-fitted", "format 5's default at key_block 32 (per-head blocks of 16/32/64): history 2.75 bits at "
          "head_dim 64", base.replace(key_block=32)),
-        # attention-aware key channel widths (format 6): same bytes, each 2-bit head's raw channels at 0/2/4 bits
-        ("oscar-wide-channels", "water-filled key channels (0/2/4 bits by held-out query energy x key error, raw "
-         "post-RoPE channels; OscarConfig.key_channel_bits='fitted', the default since format 6)",
-         base.replace(key_channel_bits="fitted")),
-        ("oscar-uniform-channels", "the default with 2 bits in every key channel of the per-head basis (OscarConfig."
-         "key_channel_bits='uniform': format 5's default, the `oscar` rows measured before 2026-12-05)",
-         base.replace(key_channel_bits="uniform")),
+        # what format 6's water-filled key channels (the default, `oscar`) are measured against
+        ("oscar-uniform-channels", "format 5's default: 2 bits in every key channel of the per-head basis "
+         "(OscarConfig.key_channel_bits='uniform'; the `oscar` rows measured before 2026-12-05)", base),
     ]
     return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
 

@@ -215,6 +215,11 @@ class Session:
         protocol = {**self.eval_data, "haystack": True, "max_new_tokens": max_new_tokens, "needles": needles,
                     "scoring": "first number of the greedy answer == key"}
         check_same_protocol(self.result_path(stage), protocol, NIAH_PROTOCOL)
+        if self.result_path(stage).is_file():  # before anything is measured, as merge_records would after
+            old = json.loads(self.result_path(stage).read_text())
+            planned = {(n, L, d, s) for n in methods for L in lengths for d in depths for s in seeds}
+            kept, stored = _carried_over_records(old, planned)
+            check_same_methods(stored, {n: m.describe() for n, m in methods.items()}, {r["method"] for r in kept})
         rotations = self.rotations(methods)
         records = []
         path = None
@@ -289,6 +294,7 @@ def merge_records(old: dict | None, meta: dict, records: list[dict], measured: s
     meta = dict(meta)
     if old is not None:
         kept, old_methods = _carried_over_records(old, measured)
+        check_same_methods(old_methods, meta["methods"], {r["method"] for r in kept})
         if kept:
             records = kept + records
             meta["methods"] = {**{r["method"]: old_methods[r["method"]] for r in kept if r["method"] in old_methods},
@@ -309,6 +315,30 @@ def merge_record_files(older: Path, newer: Path) -> dict:
         raise ValueError(f"{newer} holds {'/'.join(map(str, cells[1]))}, {older} {'/'.join(map(str, cells[0]))}: "
                          "not the same cells")
     return merge_records(old, new["meta"], new["results"], {_trial_key(r) for r in new["results"]})
+
+
+def check_same_methods(stored: dict[str, dict], methods: dict[str, dict], kept: set[str]) -> None:
+    """Refuses to add trials of a method to a file that keeps (`kept`) trials of that name measured with another
+    configuration (`stored`, as `Method.describe` wrote it): one cell would count two caches' hits under one name,
+    as after the default changes. A field a stored configuration lacks is a difference (the code that wrote it had
+    no such field, so what it did then is not known here)."""
+    for name in sorted(kept & set(methods) & set(stored)):
+        old, new = _measured_config(stored[name]), _measured_config(methods[name])
+        differ = sorted(k for k in set(old) | set(new) if old.get(k, "(absent)") != new.get(k, "(absent)"))
+        if differ:
+            raise ValueError(
+                f"the result file holds trials of {name!r} measured with another configuration ("
+                + ", ".join(f"{k}: {old.get(k, '(absent)')!r} there, {new.get(k, '(absent)')!r} now" for k in differ[:3])
+                + (f", and {len(differ) - 3} more" if len(differ) > 3 else "")
+                + "): measure the same trials again to replace them, or write elsewhere with --output")
+
+
+def _measured_config(described: dict) -> dict:
+    """What decides a method's cache in its `Method.describe()` record, as one flat dict."""
+    out = {k: described[k] for k in ("family", "rotations") if k in described}
+    for part in ("oscar_config", "kivi_config", "hf_quantized_cache"):
+        out.update({f"{part}.{k}": v for k, v in (described.get(part) or {}).items()})
+    return out
 
 
 def check_same_protocol(path: Path, data: dict, keys: tuple[str, ...]) -> None:
