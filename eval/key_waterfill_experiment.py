@@ -43,7 +43,7 @@ import torch
 from head_precision_experiment import (answer, default_session, heldout_record, reconstructed_states, recorded_states,
                                        replayed, trial_settings, trials, write_results)
 from oscar_hf.cache import OscarCache
-from oscar_hf.calibrate import retrieval_sequences
+from oscar_hf.calibrate import retrieval_sequences, water_fill
 from oscar_hf.config import OscarConfig
 from oscar_hf.evaluation.methods import fill_from_prefill
 from oscar_hf.quant import fake_quantize
@@ -80,28 +80,10 @@ def block_reconstructions(kr: torch.Tensor, blocks) -> torch.Tensor:
 
 
 def allocate(weights: torch.Tensor, errors: torch.Tensor, budget: int, widths=None) -> torch.Tensor:
-    """Greedy reverse water-filling: `weights` `[d]`, `errors` `[d, MAX_BITS + 1]` (squared error at each width) ->
-    bits `[d]` summing to at most `budget` that minimise Σ w_c·D_c(b_c): each step moves one channel to the higher
-    width with the largest weighted error drop per bit (any higher width, since 1 bit can be worse than 0)."""
-    d = weights.shape[0]
-    bits = torch.zeros(d, dtype=torch.long)
-    cost = weights[:, None] * errors  # [d, widths]
-    levels = torch.arange(MAX_BITS + 1)
-    spent = 0
-    while spent < budget:
-        step = levels[None, :] - bits[:, None]
-        ok = (step > 0) & (step <= budget - spent)
-        if widths is not None:
-            ok &= torch.tensor([b in widths for b in range(MAX_BITS + 1)])[None, :]
-        rate = torch.where(ok, (cost.gather(1, bits[:, None]) - cost) / step.clamp(min=1),
-                           torch.full_like(cost, -float("inf")))
-        best = int(rate.flatten().argmax())
-        channel, level = divmod(best, MAX_BITS + 1)
-        if rate[channel, level] == -float("inf"):
-            break
-        spent += level - int(bits[channel])
-        bits[channel] = level
-    return bits
+    """`calibrate.water_fill` over `errors` `[d, MAX_BITS + 1]` (squared error at 0..MAX_BITS bits), the widths
+    limited to `widths` (and 0, where every channel starts) when given: bits `[d]` summing to at most `budget`."""
+    allowed = sorted({0, *(range(MAX_BITS + 1) if widths is None else widths)})
+    return water_fill(weights, errors[:, allowed], budget, allowed)
 
 
 def query_energy(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -540,11 +540,14 @@ def channel_width_errors(keys: torch.Tensor, blocks, scale_dtype: str = "float16
     return torch.stack(out).double()
 
 
-def water_fill(weights: torch.Tensor, errors: torch.Tensor, budget: int) -> torch.Tensor:
-    """Greedy reverse water-filling: channel widths `[d]` (values of CHANNEL_WIDTHS) summing to at most `budget`
-    bits that make Σ_c weights_c·errors[c, width_c] small: from 0 bits everywhere, each step raises the one channel
-    (to any wider width) with the largest weighted error drop per bit spent."""
-    widths = torch.tensor(CHANNEL_WIDTHS)
+def water_fill(weights: torch.Tensor, errors: torch.Tensor, budget: int, widths=CHANNEL_WIDTHS) -> torch.Tensor:
+    """Greedy reverse water-filling: channel widths `[d]` (values of `widths`, increasing from 0; `errors[c, i]` is
+    channel c's squared error at `widths[i]` bits) summing to at most `budget` bits that make
+    Σ_c weights_c·errors[c, width_c] small: from 0 bits everywhere, each step raises the one channel (to any wider
+    width: 1 bit can be worse than 0) with the largest weighted error drop per bit spent."""
+    widths = torch.tensor(tuple(widths))
+    if widths[0] != 0 or errors.shape[-1] != len(widths):
+        raise ValueError(f"widths {widths.tolist()} must start at 0 and match the errors' {errors.shape[-1]} columns")
     cost = weights.double()[:, None] * errors.double()  # [d, W]
     level = torch.zeros(weights.shape[0], dtype=torch.long)  # index into widths
     spent = 0
@@ -553,7 +556,7 @@ def water_fill(weights: torch.Tensor, errors: torch.Tensor, budget: int) -> torc
         rate = (cost.gather(1, level[:, None]) - cost) / step.clamp(min=1)
         rate = torch.where((step > 0) & (step <= budget - spent), rate, torch.full_like(rate, -float("inf")))
         best = int(rate.argmax())
-        channel, choice = divmod(best, len(CHANNEL_WIDTHS))
+        channel, choice = divmod(best, len(widths))
         if rate[channel, choice] == -float("inf"):
             return widths[level]
         spent += int(step[channel, choice])

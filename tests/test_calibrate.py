@@ -356,6 +356,11 @@ def test_water_filling_gives_the_bits_to_channels_whose_queries_look_and_whose_k
     # an unspent budget leaves unpaired 0-bit channels, stored at 2 bits
     n, perm = wide_channel_order(torch.tensor([4, 0, 0, 0, 2, 2, 2, 2]))
     assert n == 1 and perm.argmax(0).tolist()[0] == 0 and perm.argmax(0).tolist()[-1] == 3
+    # other widths (the experiments' 0..4): a 1-bit step worse than 0 bits is skipped, not taken
+    errors = torch.tensor([[1.0, 2.0, 0.25, 0.1, 0.05], [1.0, 2.0, 0.5, 0.2, 0.1]])
+    assert water_fill(torch.ones(2), errors, 4, widths=(0, 1, 2, 3, 4)).tolist() == [2, 2]
+    with pytest.raises(ValueError, match="must start at 0"):
+        water_fill(torch.ones(2), errors[:, 1:], 4, widths=(1, 2, 3, 4))
 
 
 def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_file, tmp_path):
