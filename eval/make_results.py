@@ -416,6 +416,9 @@ def layout_section() -> list[str]:
                 "for); the haystack is prefilled once in BF16 and each method's cache is built from it; the question "
                 "runs through the cache. Commands in each JSON's meta.", ""]
     out += gpu_niah_section()
+    from oscar_hf.evaluation.methods import all_methods
+
+    labels = {n: m.label for n, m in all_methods().items()}
     for model in models():
         data = load(model, "format_ppl")
         if not data:
@@ -431,7 +434,9 @@ def layout_section() -> list[str]:
             if name in res:
                 r = res[name]
                 change = "–" if name == "bf16" or not bf16 else f"{100 * (r['perplexity'] / bf16 - 1):+.1f}%"
-                label = meta["methods"][name]["label"] if name != "bf16" else "no quantization"
+                # the registry's label where it has the method (older files' labels say "the default" for what
+                # is now format 5's default, on which the levers were measured); the file's otherwise
+                label = "no quantization" if name == "bf16" else labels.get(name, meta["methods"][name]["label"])
                 bits = fmt(meta["methods"][name]["history_bits"], 3) if name != "bf16" else "16"
                 out.append(f"| `{name}` | {label} | {fmt(r['perplexity'])} | {change} | "
                            f"{bits} |" + "".join(f" {hits.get(name, '–')} |" for hits in columns.values()))
