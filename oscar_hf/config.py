@@ -302,6 +302,23 @@ class OscarConfig:
         return fitted
 
     @property
+    def inert_fields(self) -> frozenset[str]:
+        """Fields that change nothing this config stores or calibrates: the channel-wise key layout's (blocks, their
+        allocation, wide key channels) under token-wise keys, the wide heads' where the layout cannot hold them, a
+        fitted allocation's budget under uniform blocks. (A result file written before such a field existed still
+        describes this cache: `evaluation.runner.check_same_methods`.)"""
+        inert = set()
+        if self.key_granularity != "channel":
+            inert |= {"key_block", "key_block_allocation", "allocation_history_bits"}
+        elif self.key_block_allocation == "uniform":
+            inert.add("allocation_history_bits")
+        if not self.wide_layout:
+            inert |= {"wide_heads", "wide_history_bits"}
+        if not self.wide_channel_layout:
+            inert.add("key_channel_bits")
+        return frozenset(inert)
+
+    @property
     def meta_bits(self) -> int:
         """Bits of one stored scale or minimum."""
         return {"float16": 16, "bfloat16": 16, "float32": 32}[self.scale_dtype]

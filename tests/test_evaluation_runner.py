@@ -147,6 +147,27 @@ def test_trials_of_one_name_measured_with_two_configurations_are_refused(tmp_pat
     assert {r["length"] for r in merge_record_files(old, new)["results"]} == {4096, 8192}
 
 
+def test_a_field_added_since_counts_only_where_the_new_configuration_uses_it():
+    """Trials stored before a field existed describe the same cache where that field is inert (channel-wise key
+    blocks under token-wise keys), and another cache where it is not."""
+    from oscar_hf.config import OscarConfig
+    from oscar_hf.evaluation.runner import check_same_methods
+
+    assert {"key_block", "wide_heads", "key_channel_bits"} <= OscarConfig(key_granularity="token").inert_fields
+    assert not {"key_block", "wide_heads", "key_channel_bits"} & OscarConfig().inert_fields
+    for granularity, refused in (("token", False), ("channel", True)):
+        new = {"family": "oscar", "oscar_config": OscarConfig(key_granularity=granularity, demotion_block=64).to_dict()}
+        old = {"family": "oscar", "oscar_config": {k: v for k, v in new["oscar_config"].items() if k != "key_block"}}
+        if refused:
+            with pytest.raises(ValueError, match=r"oscar_config.key_block: '\(absent\)' there, 64 now"):
+                check_same_methods({"m": old}, {"m": new}, {"m"})
+        else:
+            check_same_methods({"m": old}, {"m": new}, {"m"})
+        changed = {"family": "oscar", "oscar_config": dict(new["oscar_config"], key_block=32)}
+        with pytest.raises(ValueError, match="key_block: 32 there, 64 now"):  # a stored value always counts
+            check_same_methods({"m": changed}, {"m": new}, {"m"})
+
+
 def test_the_format6_migration_renames_by_configuration(tmp_path):
     import importlib.util
 

@@ -321,16 +321,32 @@ def check_same_methods(stored: dict[str, dict], methods: dict[str, dict], kept: 
     """Refuses to add trials of a method to a file that keeps (`kept`) trials of that name measured with another
     configuration (`stored`, as `Method.describe` wrote it): one cell would count two caches' hits under one name,
     as after the default changes. A field a stored configuration lacks is a difference (the code that wrote it had
-    no such field, so what it did then is not known here)."""
+    no such field, so what it did then is not known here), unless it is inert in the new configuration
+    (`OscarConfig.inert_fields`, e.g. channel-wise key blocks under token-wise keys): then neither code used it."""
     for name in sorted(kept & set(methods) & set(stored)):
         old, new = _measured_config(stored[name]), _measured_config(methods[name])
-        differ = sorted(k for k in set(old) | set(new) if old.get(k, "(absent)") != new.get(k, "(absent)"))
+        inert = _inert_fields(methods[name])
+        differ = sorted(k for k in set(old) | set(new) if old.get(k, "(absent)") != new.get(k, "(absent)")
+                        and not (k not in old and k in inert))
         if differ:
             raise ValueError(
                 f"the result file holds trials of {name!r} measured with another configuration ("
                 + ", ".join(f"{k}: {old.get(k, '(absent)')!r} there, {new.get(k, '(absent)')!r} now" for k in differ[:3])
                 + (f", and {len(differ) - 3} more" if len(differ) > 3 else "")
                 + "): measure the same trials again to replace them, or write elsewhere with --output")
+
+
+def _inert_fields(described: dict) -> set[str]:
+    """`OscarConfig.inert_fields` of a described method, as `_measured_config` names them."""
+    config = described.get("oscar_config")
+    if not config:
+        return set()
+    from ..config import OscarConfig
+
+    try:
+        return {f"oscar_config.{k}" for k in OscarConfig.from_dict(config).inert_fields}
+    except (TypeError, ValueError):  # not a configuration this code can build: every field counts
+        return set()
 
 
 def _measured_config(described: dict) -> dict:
