@@ -449,14 +449,18 @@ def layout_section() -> list[str]:
 
 
 # Needle columns of the lever tables: (column, folder under the results root, stage, length). A column is shown
-# where some lever besides the default has trials there (otherwise it would say nothing about the levers).
+# where three levers besides the defaults have trials there (otherwise it would say little about the levers), or
+# where the default has trials beside BF16's (its own needle figure in the table).
 LEVER_NEEDLE_CELLS = {
     "smollm2-135m": [("essays 4K", "", "niah", 4096),
                      ("essays 4K, H200", "h200", "niah", 4096),
                      ("code 4K, H200", "h200", "niah_python", 4096),
                      ("Shakespeare 4K, H200", "h200", "niah_shakespeare", 4096)],
-    "qwen2.5-coder-1.5b": [("essays 4K, H200", "h200", "niah", 4096),
+    "qwen2.5-coder-1.5b": [("essays 4K", "", "niah", 4096),
+                           ("essays 4K, H200", "h200", "niah", 4096),
+                           ("4 needles, essays 4K", "", "niah4", 4096),
                            ("4 needles, essays 4K, H200", "h200", "niah4", 4096),
+                           ("4 needles, code 4K", "", "niah4_python", 4096),
                            ("4 needles, code 4K, H200", "h200", "niah4_python", 4096)],
 }
 
@@ -477,7 +481,8 @@ def lever_needles(model: str) -> dict[str, dict[str, str]]:
         table = niah_table(data["results"])
         hits = {m: f"{t['by_length'][length][0]}/{t['by_length'][length][1]}"
                 for m, t in table.items() if length in t["by_length"]}
-        if len(set(hits) & (set(LEVERS) - {"oscar", "oscar-uniform-channels", "kivi2-g64", "kivi2"})) >= 3:
+        if (len(set(hits) & (set(LEVERS) - {"oscar", "oscar-uniform-channels", "kivi2-g64", "kivi2"})) >= 3
+                or {"oscar", "bf16"} <= set(hits)):
             out[column] = hits
     return out
 
