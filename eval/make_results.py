@@ -23,7 +23,7 @@ DOMAINS = {"": "essays (in-domain)", "_python": "Python code", "_shakespeare": "
 HEADLINE = ["bf16", "oscar", "oscar-uniform-channels", "oscar-token", "kivi2-g64", "kivi2"]
 LEVERS = ["oscar-token", "oscar-token-centered", "oscar-ch-uhp", "oscar-ch-h", "oscar-ch-id", "oscar-ch-auto",
           "oscar-ch-id-b64", "oscar-ch-uhp-b64", "oscar-uniform-b64", "oscar-no-wide", "oscar-uniform-channels",
-          "oscar-h-keys", "oscar-hpref2", "oscar", "kivi2-g64", "kivi2"]
+          "oscar-h-keys", "oscar-hpref2", "oscar", "oscar-value-clip-ref", "oscar-value-clip-none", "kivi2-g64", "kivi2"]
 
 
 def load(model: str, stage: str, root: Path | None = None):

@@ -54,15 +54,19 @@ def test_oscar_int2_is_far_closer_to_bf16_than_naive_and_hadamard(smollm2, smoll
     assert (ppl["oscar"] - ppl["bf16"]) < 0.25 * (ppl["hadamard"] - ppl["bf16"])
 
 
-@pytest.mark.xfail(strict=False, reason="format 4 (per-head key blocks): on this test's sequences the fitted value clips "
-                   "gave PPL 25.70 vs 25.65 with the reference 0.92 clip (CI 2026-12-01); not yet investigated")
-def test_fitted_clips_beat_the_reference_fixed_clips(smollm2, smollm2_rotations, eval_sequences):
+def test_fitted_value_clips_are_as_good_as_the_reference_fixed_clip(smollm2, smollm2_rotations, eval_sequences):
+    """Calibration fits each layer's value clip on held-out tokens from a grid that holds the reference's 0.92, so on
+    those tokens it is never worse; on unseen text the two are within 0.32% on every model and domain measured
+    (eval/NOTES.md, `oscar-value-clip-ref`), both ahead of no clip where clipping matters (Qwen2.5-Coder-0.5B). On
+    these sequences (measured 2026-12-05): fitted 25.00, 0.92 24.91, no clip 24.98, 0.8 everywhere 25.12 (+0.8%),
+    0.7 25.52: a fit that clips too hard fails the 0.5% allowed here; one that clips nothing would not."""
     model, _ = smollm2
     fitted = perplexity(model, eval_sequences, lambda: OscarCache(model, smollm2_rotations))["perplexity"]
     fixed = perplexity(  # channel-wise keys are not clipped: this compares the value clips
         model, eval_sequences, lambda: OscarCache(model, smollm2_rotations, OscarConfig(value_clip=0.92))
     )["perplexity"]
-    assert fitted < fixed
+    print(dict(fitted=fitted, fixed=fixed))
+    assert fitted < 1.005 * fixed
 
 
 def test_rotation_file_round_trip_on_the_real_model(smollm2, smollm2_rotations, tmp_path, eval_sequences):

@@ -266,6 +266,10 @@ def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
         # what format 6's water-filled key channels (the default, `oscar`) are measured against
         ("oscar-uniform-channels", "format 5's default: 2 bits in every key channel of the per-head basis "
          "(OscarConfig.key_channel_bits='uniform'; the `oscar` rows measured before 2026-12-05)", base),
+        # the value clip of the default (channel-wise keys are not clipped): fitted per head, fixed, or none
+        ("oscar-value-clip-ref", "the default with the reference's fixed value clip 0.92 instead of the fitted ones",
+         oscar_config(windows).replace(value_clip=REFERENCE_CLIPS[1])),
+        ("oscar-value-clip-none", "the default without value clipping", oscar_config(windows).replace(value_clip="none")),
     ]
     return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
 
