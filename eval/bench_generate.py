@@ -33,8 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import MIXED_KEY_BLOCKS, GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
-METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static")
-COMPILED = {"bf16-static", "oscar-static"}
+METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static",
+           "oscar-static-format5")
+COMPILED = {"bf16-static", "oscar-static", "oscar-static-format5"}
 DEADLINE = float("inf")
 
 
@@ -48,10 +49,19 @@ KEY_BLOCKS = ",".join(str(b) for b in MIXED_KEY_BLOCKS)
 WIDE_HEADS = True  # --no-wide-heads: every head at 2 bits (the format before wide heads)
 
 
-def oscar_rotations(model):
-    """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS) and as many wide heads as
+def wide_channels(head_dim: int, head_bits) -> tuple[int, ...]:
+    """Wide key channels per KV head (format 6): 0 in the 4-bit heads, between head_dim/8 and head_dim/3 in the others
+    (`bench_gpu.wide_channel_layout`'s counts; calibration gives SmolLM2's 2-bit heads 15-24 of 64)."""
+    lo, hi = head_dim // 8, head_dim // 3
+    return tuple(0 if b != 2 else lo + (5 * h) % (hi - lo + 1) for h, b in enumerate(head_bits))
+
+
+def oscar_rotations(model, channels: bool = True):
+    """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS), as many wide heads as
     calibration's budget gives this geometry (`calibrate.allocate_wide_heads`; which heads are wide comes from seeded
-    random retrieval scores, random weights having no retrieval heads)."""
+    random retrieval scores, random weights having no retrieval heads) and, with `channels` (format 6; False: format
+    5), wide key channels in the 2-bit heads (`wide_channels`). The key rotation stays H·P rather than the permutation
+    calibration stores with wide channels: the kernels read both the same way, so speed does not depend on it."""
     from oscar_hf import OscarRotations
     from oscar_hf.calibrate import allocate_wide_heads
 
@@ -64,7 +74,24 @@ def oscar_rotations(model):
         g = torch.Generator().manual_seed(0)
         scores = {layer: torch.rand(heads, generator=g) for layer in rot.layers}
         rot.head_bits = allocate_wide_heads(scores, oscar_config(), model.config.head_dim, rot.key_blocks)
+    if channels:
+        bits = rot.head_bits or {layer: (2,) * heads for layer in rot.layers}
+        rot.key_wide_channels = {layer: wide_channels(model.config.head_dim, bits[layer]) for layer in rot.layers}
+        rot._check_consistency()  # what loading a file would check
     return rot
+
+
+def storage_format_text(model) -> str:
+    """What the OSCAR rows store, for the results table: the format and its per-head allocation."""
+    rot = oscar_rotations(model)
+    heads = model.config.num_hidden_layers * model.config.num_key_value_heads
+    wide = sum(b != 2 for bits in (rot.head_bits or {}).values() for b in bits)
+    channels = sum(sum(c) for c in (rot.key_wide_channels or {}).values())
+    narrow = (heads - wide) * model.config.head_dim
+    blocks = KEY_BLOCKS if KEY_BLOCKS == "uniform" else "/".join(KEY_BLOCKS.split(",")[:4]) + "/..."
+    return (f"{6 if channels else 5} (per-head key blocks {blocks}; {wide} of the {heads} KV heads wide, at 4 bits"
+            + (f"; {channels:,} of the 2-bit heads' {narrow:,} key channels wide" if channels else "") + ")"
+            + ("; oscar-static-format5: the same without wide key channels" if channels else ""))
 
 
 def oscar_config():
@@ -136,6 +163,8 @@ def make_cache(method, model, batch, max_len):
         return OscarCache(model, oscar_rotations(model), oscar_config())
     if method in ("oscar-static", "oscar-static-eager"):
         return StaticOscarCache(model, oscar_rotations(model), oscar_config(), max_cache_len=max_len)
+    if method == "oscar-static-format5":  # the same without wide key channels, for the cost of format 6's
+        return StaticOscarCache(model, oscar_rotations(model, channels=False), oscar_config(), max_cache_len=max_len)
     raise ValueError(method)
 
 
@@ -264,6 +293,7 @@ def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw, o
             free()
             rows.append(measure_point(model, arch, length, batch, [m for m in methods if not only or m in only],
                                       new_tokens, rounds, device, copy_bw))
+            rows[-1]["format"] = storage_format_text(model)
             if on_row:
                 on_row(rows)
     return rows

@@ -197,6 +197,7 @@ GENERATE_METHODS = [  # (key in bench_generate.json, label)
     ("oscar-eager", "`OscarCache`, eager"),
     ("oscar-static-eager", "`StaticOscarCache`, eager"),
     ("oscar-static", "`StaticOscarCache`, compiled"),
+    ("oscar-static-format5", "`StaticOscarCache`, compiled, without wide key channels (format 5)"),
 ]
 
 
