@@ -30,7 +30,7 @@ def test_bench_generate_kernel_table(tmp_path):
 
 def test_bench_generate_smoke_and_report(tmp_path):
     out = tmp_path / "gpu"
-    methods = "bf16-eager,bf16-static,oscar-eager,oscar-static-eager,oscar-static"
+    methods = "bf16-eager,bf16-static,oscar-eager,oscar-static-eager,oscar-static,oscar-static-format5"
     subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections", "speed",
                     "--archs", "tiny", "--points", "600x2", "--new-tokens", "6", "--rounds", "1", "--methods", methods],
                    check=True, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
@@ -41,6 +41,7 @@ def test_bench_generate_smoke_and_report(tmp_path):
             assert row[f"{m}_tokens_per_s"] > 0 and row[f"{m}_roofline_ms"] > 0
         else:
             assert row["skipped"][m].startswith("timing noise"), row["skipped"]
+    assert row["format"].startswith("6 (") and "key channels wide" in row["format"]  # the default storage format
     report = tmp_path / "GPU_RESULTS.md"
     subprocess.run([sys.executable, str(REPO / "eval" / "make_gpu_report.py"), "--generate", str(out / "bench_generate.json"),
                     "--output", str(report)], check=True, cwd=REPO, timeout=300)
