@@ -531,7 +531,7 @@ def section_check(device):
         hk, hv = layer.history_keys.buffers, layer.history_values.buffers
         args = (q, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
                 layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5,
-                *layer.history_keys.kernel_key_layout, layer.history_keys.wide)
+                *layer.history_keys.kernel_key_layout, layer.history_keys.wide, layer.history_keys.wide_channels)
         got = ops.decode_attention(*args, kernel=True).float()
         ref = ops.decode_attention_reference(*args).float()
         err = (got - ref).abs().max().item()
@@ -539,9 +539,11 @@ def section_check(device):
         ok = err <= 2e-2 * max(scale, 1.0)
         blocks = list(layer.history_keys.layout.blocks)
         rows.append(dict(check="decode_attention kernel vs twin", heads=heads, groups=groups, head_dim=d, length=length + 37,
-                         key_blocks=blocks, wide_rows=list(layer.history_keys.wide), max_abs_err=err, ref_scale=scale,
+                         key_blocks=blocks, wide_rows=list(layer.history_keys.wide),
+                         wide_channels=list(layer.history_keys.wide_channels), max_abs_err=err, ref_scale=scale,
                          ok=ok))
-        log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37} key blocks {blocks}: err {err:.2e} "
+        log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37} key blocks {blocks} wide key channels "
+            f"{list(layer.history_keys.wide_channels)}: err {err:.2e} "
             f"(scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
     # 2. the same model through OscarCache, StaticOscarCache eager and StaticOscarCache compiled (a CUDA graph):
     #    greedy generate, and teacher-forced decode steps (same input tokens, compare the logits' argmax)
