@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import MIXED_KEY_BLOCKS, GIB, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
+from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static",
            "oscar-static-format5")
@@ -49,19 +49,13 @@ KEY_BLOCKS = ",".join(str(b) for b in MIXED_KEY_BLOCKS)
 WIDE_HEADS = True  # --no-wide-heads: every head at 2 bits (the format before wide heads)
 
 
-def wide_channels(head_dim: int, head_bits) -> tuple[int, ...]:
-    """Wide key channels per KV head (format 6): 0 in the 4-bit heads, between head_dim/8 and head_dim/3 in the others
-    (`bench_gpu.wide_channel_layout`'s counts; calibration gives SmolLM2's 2-bit heads 15-24 of 64)."""
-    lo, hi = head_dim // 8, head_dim // 3
-    return tuple(0 if b != 2 else lo + (5 * h) % (hi - lo + 1) for h, b in enumerate(head_bits))
-
-
 def oscar_rotations(model, channels: bool = True):
     """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS), as many wide heads as
     calibration's budget gives this geometry (`calibrate.allocate_wide_heads`; which heads are wide comes from seeded
     random retrieval scores, random weights having no retrieval heads) and, with `channels` (format 6; False: format
-    5), wide key channels in the 2-bit heads (`wide_channels`). The key rotation stays H·P rather than the permutation
-    calibration stores with wide channels: the kernels read both the same way, so speed does not depend on it."""
+    5), wide key channels in the 2-bit heads (`bench_gpu.wide_channel_counts`). The key rotation stays H·P rather
+    than the permutation calibration stores with wide channels: the kernels read both the same way, so speed does
+    not depend on it."""
     from oscar_hf import OscarRotations
     from oscar_hf.calibrate import allocate_wide_heads
 
@@ -76,7 +70,7 @@ def oscar_rotations(model, channels: bool = True):
         rot.head_bits = allocate_wide_heads(scores, oscar_config(), model.config.head_dim, rot.key_blocks)
     if channels:
         bits = rot.head_bits or {layer: (2,) * heads for layer in rot.layers}
-        rot.key_wide_channels = {layer: wide_channels(model.config.head_dim, bits[layer]) for layer in rot.layers}
+        rot.key_wide_channels = {layer: wide_channel_counts(model.config.head_dim, bits[layer]) for layer in rot.layers}
         rot._check_consistency()  # what loading a file would check
     return rot
 

@@ -77,12 +77,18 @@ def wide_layout(kv_heads: int, layout: str) -> tuple[int, ...]:
 
 
 def wide_channel_layout(kv_heads: int, layout: str, head_dim: int) -> tuple[int, ...]:
-    """Wide key channels per KV head of a named layout: in "channels", between head_dim/8 and head_dim/3 (what
-    calibration gives SmolLM2's 2-bit heads: 15-24 of 64), 0 in the wide heads; none elsewhere."""
+    """Wide key channels per KV head of a named layout: in "channels", `wide_channel_counts` with WIDE_HEADS at 4
+    bits; none elsewhere."""
     if layout != "channels":
         return ()
-    return tuple(0 if h in WIDE_HEADS else head_dim // 8 + (5 * h) % (head_dim // 3 - head_dim // 8 + 1)
-                 for h in range(kv_heads))
+    return wide_channel_counts(head_dim, [4 if h in WIDE_HEADS else 2 for h in range(kv_heads)])
+
+
+def wide_channel_counts(head_dim: int, head_bits) -> tuple[int, ...]:
+    """Wide key channels per KV head (format 6): 0 in the 4-bit heads, between head_dim/8 and head_dim/3 in the 2-bit
+    ones (what calibration gives SmolLM2's 2-bit heads: 15-24 of 64)."""
+    lo, hi = head_dim // 8, head_dim // 3
+    return tuple(0 if b != 2 else lo + (5 * h) % (hi - lo + 1) for h, b in enumerate(head_bits))
 
 
 def key_meta_rows(key_blocks, key_chunk: int) -> int:
