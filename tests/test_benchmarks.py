@@ -1,5 +1,5 @@
-"""The generate benchmark and its report, as a CPU smoke run on a tiny Qwen3 (the numbers mean nothing here; the
-run checks that every method goes through `model.generate` and that the report reads what the benchmark writes)."""
+"""The generate benchmark as a CPU smoke run on a tiny Qwen3 (the numbers mean nothing here; the run checks that every
+method goes through `model.generate` and that each speed row records what docs/benchmarks.md reads from it)."""
 
 import json
 import subprocess
@@ -28,7 +28,7 @@ def test_bench_generate_kernel_table(tmp_path):
     assert all(set(r["wall_ms"]) == {"gc on", "gc off"} for r in result["runtime"])
 
 
-def test_bench_generate_smoke_and_report(tmp_path):
+def test_bench_generate_smoke(tmp_path):
     out = tmp_path / "gpu"
     methods = "bf16-eager,bf16-static,oscar-eager,oscar-static-eager,oscar-static,oscar-static-format5"
     subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections", "speed",
@@ -38,11 +38,12 @@ def test_bench_generate_smoke_and_report(tmp_path):
     row = result["speed"][0]
     for m in methods.split(","):  # every method went through generate; on a busy CPU a tiny model's timing may be noise
         if f"{m}_tokens_per_s" in row:
-            assert row[f"{m}_tokens_per_s"] > 0 and row[f"{m}_roofline_ms"] > 0
+            assert row[f"{m}_tokens_per_s"] > 0 and row[f"{m}_roofline_ms"] > 0 and row[f"{m}_ms_per_step"] > 0
         else:
             assert row["skipped"][m].startswith("timing noise"), row["skipped"]
     assert row["format"].startswith("6 (") and "key channels wide" in row["format"]  # the default storage format
-    report = tmp_path / "GPU_RESULTS.md"
-    subprocess.run([sys.executable, str(REPO / "eval" / "make_gpu_report.py"), "--generate", str(out / "bench_generate.json"),
-                    "--output", str(report)], check=True, cwd=REPO, timeout=300)
-    assert (row["length"], row["batch"]) == (600, 2) and "| tiny | 600 | 2 |" in report.read_text()
+    # what a figure in docs/benchmarks.md needs beside it: the point, the protocol, the versions and the command (the
+    # card too, on CUDA)
+    assert (row["arch"], row["length"], row["batch"], row["new_tokens"], row["rounds"]) == ("tiny", 600, 2, 6, 1)
+    environment = result["environment"]
+    assert {"torch", "transformers"} <= set(environment) and "--points 600x2" in environment["command"]
