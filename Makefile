@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make demo   - install, calibrate SmolLM2-135M (from PyPI), generate with OscarCache, compare with BF16
 #   make test   - install, run the test-suite
+#   make check-newest-transformers - the repository-root smoke test on transformers' newest release (CI runs it)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -25,4 +26,21 @@ test: install
 notebook: install
 	OSCAR_HF_UPDATE_NOTEBOOK=1 $(BIN)/pytest -q tests/test_notebook.py
 
-.PHONY: install demo test notebook
+# transformers' newest release (setup.cfg allows < 6, so a plain `pip install` gets it; constraints.txt pins the one
+# the suite runs on) with the dependencies it needs beyond the venv's (resolved by pip against the venv, e.g.
+# Hugging Face's `kernels`), in a throwaway folder put on PYTHONPATH; then tests/test_repo_root.py from the repository
+# root, whose folder kernels/ shares its import name with that package. The venv is left as it is.
+NEWEST := .cache/transformers-newest
+check-newest-transformers: install
+	rm -rf $(NEWEST) && mkdir -p $(NEWEST)
+	$(BIN)/pip install -q --dry-run --upgrade --report $(NEWEST)/report.json "transformers<6"
+	$(BIN)/python -c "import json, sys; items = json.load(open(sys.argv[1]))['install']; \
+	print('\n'.join(i['metadata']['name'] + '==' + i['metadata']['version'] for i in items))" \
+	    $(NEWEST)/report.json > $(NEWEST)/requirements.txt
+	! grep -qi '^torch==' $(NEWEST)/requirements.txt  # the CPU torch of the venv stays
+	$(BIN)/pip install -q --no-deps --target $(NEWEST)/site -r $(NEWEST)/requirements.txt
+	cat $(NEWEST)/requirements.txt
+	PYTHONPATH=$(NEWEST)/site OSCAR_HF_EXPECT_TRANSFORMERS=$$(grep -i '^transformers==' $(NEWEST)/requirements.txt | cut -d= -f3) \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_repo_root.py
+
+.PHONY: install demo test notebook check-newest-transformers

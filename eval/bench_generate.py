@@ -6,7 +6,7 @@ transformers' `QuantizedCache` (HQQ, 2 bits), interleaved in one run.
 
 Protocol, per (architecture, prompt length L, batch B): each method's cache is filled with L random tokens per
 sequence (speed does not depend on the values; a 100K prefill per call would cost minutes), then
-`model.generate(ids of length L + 1, past_key_values=cache, max_new_tokens=n, greedy)` is timed for n = N + 1 and
+`model.generate(ids of length L + 1, cache=cache, max_new_tokens=n, greedy)` is timed for n = N + 1 and
 n = 1 (the cache refilled before each call, static caches reused as generate reuses its own); decode tokens/s =
 B·N / (t(N+1) − t(1)). Methods are interleaved within a round; one warm-up round (compilation, CUDA graphs), then
 the best of `--rounds`. GPU time per token: the summed CUDA kernel time of the two calls under the profiler,
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
+from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static",
            "oscar-static-format5")
@@ -51,12 +51,13 @@ WIDE_HEADS = True  # --no-wide-heads: every head at 2 bits (the format before wi
 
 def oscar_rotations(model, channels: bool = True):
     """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS), as many wide heads as
-    calibration's budget gives this geometry (`calibrate.allocate_wide_heads`; which heads are wide comes from seeded
-    random retrieval scores, random weights having no retrieval heads) and, with `channels` (format 6; False: format
-    5), wide key channels in the 2-bit heads (`bench_gpu.wide_channel_counts`). The key rotation stays H·P rather
+    calibration's budget gives this geometry (`calibrate.allocate_wide_heads` within
+    `CalibrationConfig().wide_budget`; which heads are wide comes from seeded random retrieval scores, random weights
+    having no retrieval heads) and, with `channels` (format 6; False: format 5, the rotations' `key_wide_channels`
+    None), wide key channels in the 2-bit heads (`bench_gpu.wide_channel_counts`). The key rotation stays H·P rather
     than the permutation calibration stores with wide channels: the kernels read both the same way, so speed does
     not depend on it."""
-    from oscar_hf import OscarRotations
+    from oscar_hf import CalibrationConfig, OscarRotations
     from oscar_hf.calibrate import allocate_wide_heads
 
     rot = OscarRotations.data_free(model, "hadamard")
@@ -67,7 +68,9 @@ def oscar_rotations(model, channels: bool = True):
     if WIDE_HEADS:
         g = torch.Generator().manual_seed(0)
         scores = {layer: torch.rand(heads, generator=g) for layer in rot.layers}
-        rot.head_bits = allocate_wide_heads(scores, oscar_config(), model.config.head_dim, rot.key_blocks)
+        head_dim = model.config.head_dim
+        rot.head_bits = allocate_wide_heads(scores, oscar_config(), head_dim, CalibrationConfig().wide_budget(head_dim),
+                                            rot.key_blocks)
     if channels:
         bits = rot.head_bits or {layer: (2,) * heads for layer in rot.layers}
         rot.key_wide_channels = {layer: wide_channel_counts(model.config.head_dim, bits[layer]) for layer in rot.layers}
@@ -104,19 +107,16 @@ def fill(cache, model, batch, length, device, chunk=16384):
     """Stores `length` random tokens per sequence in every layer, as a prefill would (not timed)."""
     from transformers import StaticCache
 
-    from oscar_hf import StaticOscarCache
+    from oscar_hf import OscarCache, StaticOscarCache
 
     layers = model.config.num_hidden_layers
     k, v = random_kv(model, batch, min(chunk, length), device)
-    if isinstance(cache, StaticOscarCache):
-        cache.reset()
-        done = 0
-        while done < length:
-            n = min(chunk, length - done)
-            cache.plan.advance(n)
+    if isinstance(cache, OscarCache):  # chunk by chunk through every layer: the layers share one position plan
+        if isinstance(cache, StaticOscarCache):
+            cache.reset()
+        for n in chunks(length, chunk):
             for i in range(layers):
-                cache.layers[i].store(k[:, :, :n], v[:, :, :n])
-            done += n
+                cache.store(k[:, :, :n], v[:, :, :n], i)
     elif isinstance(cache, StaticCache):
         cache.reset()
         for i in range(layers):
@@ -126,17 +126,10 @@ def fill(cache, model, batch, length, device, chunk=16384):
                 cache.update(k[:, :, :n], v[:, :, :n], i)
                 done += n
     else:
-        for i in range(layers):
-            if hasattr(cache.layers[i], "store"):
-                done = 0
-                while done < length:
-                    n = min(chunk, length - done)
-                    cache.layers[i].store(k[:, :, :n], v[:, :, :n])
-                    done += n
-            else:  # BF16 DynamicCache; QuantizedCache re-quantizes its history when the residual fills: one chunk
-                kk, vv = random_kv(model, batch, length, device)
-                cache.update(kk, vv, i)
-                del kk, vv
+        for i in range(layers):  # BF16 DynamicCache; QuantizedCache re-quantizes its history when the residual fills
+            kk, vv = random_kv(model, batch, length, device)  # one chunk
+            cache.update(kk, vv, i)
+            del kk, vv
     sync()
     return cache
 
@@ -175,7 +168,7 @@ def kv_bytes(method, model, batch, length) -> float:
 # ------------------------------------------------------------------------------------------------ timing
 def generate_once(model, cache, batch, length, new_tokens, compiled, device, profile=False):
     ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, past_key_values=cache,
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache=cache,
                   attention_mask=torch.ones_like(ids), disable_compile=not compiled, pad_token_id=0)
     sync()
     if profile:
@@ -404,7 +397,7 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
             fill(cache, model, batch, length, device)
             ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
             with prof(activities=[activity]) as p, torch.no_grad():
-                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache,
                                attention_mask=torch.ones_like(ids), disable_compile=m not in COMPILED, pad_token_id=0)
                 sync()
             table = defaultdict(lambda: [0, 0.0])
@@ -521,23 +514,19 @@ def section_check(device):
         q = torch.randn(2, heads, groups, d, device=device, dtype=torch.bfloat16)
         mask = torch.ones(2, length + 64, dtype=torch.bool, device=device)
         mask[1, :100] = False  # left padding
-        s, r = layer.config.sink_tokens, layer.plan.ring
-        hk, hv = layer.history_keys.buffers, layer.history_values.buffers
-        args = (q, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], hk["codes"], hk["meta"], hv["codes"], hv["meta"],
-                layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r], mask, layer.plan.lengths, 1, d ** -0.5,
-                *layer.history_keys.kernel_key_layout, layer.history_keys.wide, layer.history_keys.wide_channels)
+        args = (q, layer.decode_buffers(), layer.fmt, mask, layer.plan.lengths, 1, d ** -0.5)
         got = ops.decode_attention(*args, kernel=True).float()
         ref = ops.decode_attention_reference(*args).float()
         err = (got - ref).abs().max().item()
         scale = ref.abs().max().item()
         ok = err <= 2e-2 * max(scale, 1.0)
-        blocks = list(layer.history_keys.layout.blocks)
+        keys = layer.fmt.keys
+        blocks = list(keys.blocks)
         rows.append(dict(check="decode_attention kernel vs twin", heads=heads, groups=groups, head_dim=d, length=length + 37,
-                         key_blocks=blocks, wide_rows=list(layer.history_keys.wide),
-                         wide_channels=list(layer.history_keys.wide_channels), max_abs_err=err, ref_scale=scale,
-                         ok=ok))
+                         key_blocks=blocks, wide_rows=list(keys.wide_rows), wide_channels=list(keys.wide_channels),
+                         max_abs_err=err, ref_scale=scale, ok=ok))
         log(f"check decode kernel H={heads} G={groups} d={d} L={length + 37} key blocks {blocks} wide key channels "
-            f"{list(layer.history_keys.wide_channels)}: err {err:.2e} "
+            f"{list(keys.wide_channels)}: err {err:.2e} "
             f"(scale {scale:.2f}) {'ok' if ok else 'FAIL'}")
     # 2. the same model through OscarCache, StaticOscarCache eager and StaticOscarCache compiled (a CUDA graph):
     #    greedy generate, and teacher-forced decode steps (same input tokens, compare the logits' argmax)
@@ -557,7 +546,7 @@ def section_check(device):
     for name, make in makers.items():
         with torch.no_grad(), eager_graphs(name != "static-eager-no-graphs"):
             used[name] = make()
-            outs[name] = model.generate(ids, past_key_values=used[name], max_new_tokens=150, min_new_tokens=150,
+            outs[name] = model.generate(ids, cache=used[name], max_new_tokens=150, min_new_tokens=150,
                                         do_sample=False, disable_compile=name != "static-compiled", pad_token_id=0)
     forced = outs["dynamic"][:, 700:]
     for name, make in makers.items():
@@ -565,10 +554,10 @@ def section_check(device):
         call = model.__call__ if name != "static-compiled" else torch.compile(model.__call__, mode="reduce-overhead",
                                                                                fullgraph=True)
         with torch.no_grad(), eager_graphs(name != "static-eager-no-graphs"):
-            logits = [model(ids, past_key_values=cache).logits[:, -1]]
+            logits = [model(ids, cache=cache).logits[:, -1]]
             for i in range(forced.shape[1] - 1):
                 pos = torch.full((2, 1), 700 + i, device=device)
-                logits.append(call(forced[:, i : i + 1], past_key_values=cache, position_ids=pos).logits[:, -1].clone())
+                logits.append(call(forced[:, i : i + 1], cache=cache, position_ids=pos).logits[:, -1].clone())
         steps[name] = torch.stack(logits, 1).float()
     # the graphs replay the very kernels the eager calls launch: the same tokens and logits, bit for bit
     # (equality as a boolean: a float32 mean of 1,700 equal tokens is 0.99999994)

@@ -68,8 +68,8 @@ def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...],
 
 
 def wide_layout(kv_heads: int, layout: str) -> tuple[int, ...]:
-    """`quant.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", none elsewhere."""
-    from oscar_hf.quant import WIDE_BITS, wide_rows
+    """`format.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", none elsewhere."""
+    from oscar_hf.format import WIDE_BITS, wide_rows
 
     if layout not in ("wide", "channels"):
         return ()
@@ -94,6 +94,48 @@ def wide_channel_counts(head_dim: int, head_bits) -> tuple[int, ...]:
 def key_meta_rows(key_blocks, key_chunk: int) -> int:
     """R: channel-wise key meta rows per chunk, all KV heads together."""
     return sum(key_chunk // b for b in key_blocks)
+
+
+def stream_format(kv_heads: int, head_dim: int, key_blocks=(), key_chunk: int = 0, wide=(), channels=(),
+                  meta_groups: int = 1, clip: float = 1.0):
+    """The 2-bit `format.StreamFormat` that the kernels' flat arguments (key_blocks, key_chunk, wide_rows,
+    wide_channels) describe: channel-wise with `key_chunk` > 0, else token-wise in `meta_groups` groups per row."""
+    from oscar_hf.format import StreamFormat
+
+    common = dict(heads=kv_heads, head_dim=head_dim, bits=2, group_size=head_dim // meta_groups, wide_rows=tuple(wide),
+                  clip=clip)
+    if key_chunk:
+        return StreamFormat(granularity="channel", blocks=tuple(key_blocks), chunk=key_chunk,
+                            wide_channels=tuple(channels), **common)
+    return StreamFormat(**common)
+
+
+def twin_inputs(args):
+    """`random_segments`' flat kernel arguments as the torch twins take them: `(LayerFormat, Segments)` (the
+    segments cut to their lengths, as `ops.Segments` carries them)."""
+    from oscar_hf.format import LayerFormat
+    from oscar_hf.ops import Segments
+    from oscar_hf.quant import Packed
+
+    q, sk, sv, ck, mk, cv, mv, rk, rv, ek, ev, _, ns, nh, nr, ne = args[:16]
+    blocks, chunk, wide, channels = args[19:23]
+    d = q.shape[-1]
+    fmt = LayerFormat(stream_format(q.shape[1], d, blocks, chunk, wide, channels, 1 if chunk else mk.shape[-2]),
+                      stream_format(q.shape[1], d, wide=wide, meta_groups=mv.shape[-2]))
+    meta_k = mk[:, : -(-nh // chunk)] if chunk else mk[:, :, :nh]
+    seg = Segments(sk[:, :, :ns], sv[:, :, :ns], Packed(ck[:, :, :nh], meta_k, fmt.keys),
+                   Packed(cv[:, :, :nh], mv[:, :, :nh], fmt.values), rk[:, :, :nr], rv[:, :, :nr], ek[:, :, :ne],
+                   ev[:, :, :ne])
+    return fmt, seg
+
+
+def segment_reference(args, emulate_bf16=False):
+    """`ops.segment_attention_reference` on `random_segments`' flat kernel arguments: `(out, lse)`."""
+    from oscar_hf.ops import segment_attention_reference
+
+    _, seg = twin_inputs(args)
+    q, mask, t, q_start, scale = args[0], args[11], args[16], args[17], args[18]
+    return segment_attention_reference(q, seg, mask, t, q_start, scale, emulate_bf16=emulate_bf16)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -218,7 +260,8 @@ def joined_codes(planes: torch.Tensor, wide: list[int], channels=()) -> torch.Te
 
 def section_check(device, quick):
     from oscar_hf.kernels.attention import segment_attention_triton
-    from oscar_hf.ops import quantize_pack_reference, segment_attention_reference
+    from oscar_hf.ops import quantize_pack_reference
+    from oscar_hf.quant import unpack_2bit_u8
 
     shapes = [  # (batch, kv_heads, gqa, length, head_dim, queries per group, value meta groups, key layout)
         (1, 8, 4, 131072, 128, 1, 1, "default"), (8, 8, 4, 32768, 128, 1, 1, "default"),
@@ -239,8 +282,8 @@ def section_check(device, quick):
     for (b, h, g, length, d, t, mg, kb) in shapes:
         torch.manual_seed(length + b)
         args = random_segments(b, h, g, length, d, t=t, device=device, meta_groups=mg, layout=kb)
-        ref, ref_lse = segment_attention_reference(*args)
-        lowp, _ = segment_attention_reference(*args, emulate_bf16=True)
+        ref, ref_lse = segment_reference(args)
+        lowp, _ = segment_reference(args, emulate_bf16=True)
         poison = torch.full((256 * 1024**2,), float("nan"), device=device)  # reused memory comes back as NaN
         del poison
         out, lse = segment_attention_triton(*args)
@@ -275,15 +318,18 @@ def section_check(device, quick):
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
         start = chunk or 3
+        clip = 1.0 if chunk else 0.96
+        fmt = stream_format(h, d, key_blocks, chunk, wide, channels, clip=clip)
         outs = []
-        for fn in (quantize_pack_reference, torch.ops.oscar.quantize_pack):
+        for kernel in (False, True):
             codes = torch.full((b, rows_k, n + start, d // 4), 0xAA, device=device, dtype=torch.uint8)
             meta_shape = (b, (n + start) // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, n + start, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
-            fn(x, rot, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk, wide, channels)
+            if kernel:
+                torch.ops.oscar.quantize_pack(x, rot, clip, codes, meta, start, list(key_blocks), chunk, wide, channels)
+            else:
+                quantize_pack_reference(x, rot, codes, meta, start, fmt)
             outs.append((codes, meta))
-        from oscar_hf.quant import unpack_2bit_u8
-
         # compare whole codes: a wide head's 4-bit code off by one can flip both of its 2-bit planes
         a, r = (joined_codes(unpack_2bit_u8(o[0][:, :, start:]).int(), wide, channels) for o in outs)
         differ = (a != r).float().mean().item()
@@ -302,6 +348,8 @@ def section_check(device, quick):
                                         (4, 8, 128, 128, "channels", -1)):
         key_blocks, chunk = key_layout(h, layout) if layout != "token" else ((), 0)
         wide, channels = list(wide_layout(h, layout)), list(wide_channel_layout(h, layout, d))
+        clip = 1.0 if chunk else 0.96
+        fmt = stream_format(h, d, key_blocks, chunk, wide, channels, clip=clip)
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         cap = 1024
         outs = []
@@ -310,16 +358,13 @@ def section_check(device, quick):
             meta_shape = (b, cap // chunk, key_meta_rows(key_blocks, chunk), d, 2) if chunk else (b, h, cap, 1, 2)
             meta = torch.full(meta_shape, float("nan"), device=device, dtype=torch.float16)
             if fn == "kernel":
-                torch.ops.oscar.quantize_pack_at(x, 1.0 if chunk else 0.96, codes, meta,
-                                                 torch.tensor([start], device=device), list(key_blocks), chunk, 0, wide,
-                                                 channels)
+                torch.ops.oscar.quantize_pack_at(x, clip, codes, meta, torch.tensor([start], device=device),
+                                                 list(key_blocks), chunk, 0, wide, channels)
             elif start >= 0:
-                quantize_pack_reference(x, None, 1.0 if chunk else 0.96, codes, meta, start, list(key_blocks), chunk,
-                                        wide, channels)
+                quantize_pack_reference(x, None, codes, meta, start, fmt)
             sync()
             outs.append((codes, meta))
         (rc, rm), (kc, km) = outs
-        from oscar_hf.quant import unpack_2bit_u8
 
         differ = (joined_codes(unpack_2bit_u8(kc).int(), wide, channels)
                   != joined_codes(unpack_2bit_u8(rc).int(), wide, channels)).float().mean().item()
@@ -338,7 +383,7 @@ def section_check(device, quick):
 def check_static_decode(device, quick):
     """The static cache's decode-step ops against their twins: `rotate_store_token` (a sink and a ring position,
     head_dim 64/128/256) and `decode_attention` over a static history with the output un-rotated in the merge."""
-    from oscar_hf.ops import decode_attention_reference, rotate_store_token_reference
+    from oscar_hf.ops import DecodeBuffers, decode_attention_reference, rotate_store_token_reference
 
     rows = []
     for (b, h, d, position) in ((1, 8, 128, 5), (8, 8, 128, 4100), (2, 1, 256, 70), (4, 2, 64, 63)):
@@ -376,9 +421,14 @@ def check_static_decode(device, quick):
         lengths = torch.tensor([n_sink, n_hist, n_recent, 0, q_start], device=device, dtype=torch.int32)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
         dargs = (q, sk, sv, ck, mk, cv, mv, rec_k, rec_v, None, lengths, t, scale, blocks, chunk, wide, channels, rot)
-        ref = decode_attention_reference(*dargs).float()
-        lowp = decode_attention_reference(*(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                            else a for a in dargs)).float()
+        fmt, _ = twin_inputs(args)
+
+        def twin(low: bool):  # low: every floating input (the metadata too) in bfloat16
+            cast = lambda a: a.to(torch.bfloat16) if low and a is not None and a.is_floating_point() else a  # noqa: E731
+            buffers = DecodeBuffers(*(cast(a) for a in (sk, sv, ck, mk, cv, mv, rec_k, rec_v)))
+            return decode_attention_reference(cast(q), buffers, fmt, None, lengths, t, scale, cast(rot)).float()
+
+        ref, lowp = twin(False), twin(True)
         out = torch.ops.oscar.decode_attention(*dargs).float()
         sync()
         err, lowp_err = (out - ref).abs().max().item(), (lowp - ref).abs().max().item()
@@ -420,7 +470,7 @@ def section_model_check(device, quick):
                    "channel (per-head blocks, wide heads, wide key channels)", "token"):
         rot = (channels if "wide key channels" in layout else wide if "wide" in layout else mixed if "per-head" in layout
                else uniform)
-        config = OscarConfig(value_clip=0.92, key_channel_bits="fitted") if layout != "token" else OscarConfig(
+        config = OscarConfig(value_clip=0.92) if layout != "token" else OscarConfig(
             key_granularity="token", demotion_block=8, key_clip=0.96, value_clip=0.92)
         logits = {}
         for mode in ("0", "1"):
@@ -455,7 +505,7 @@ def section_devmap(device, quick, tmp):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from oscar_hf import OscarConfig
+    from oscar_hf import CalibrationConfig
     from oscar_hf.calibrate import calibrate
 
     import string
@@ -473,7 +523,7 @@ def section_devmap(device, quick, tmp):
     text = tmp / "calib.txt"
     text.write_text(("The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 200))
     rot = calibrate(model, tokenizer, data=str(text), progress=False,
-                    config=OscarConfig(calibration_tokens=1024, calibration_sequence_length=512, heldout_tokens=512))
+                    calibration=CalibrationConfig(tokens=1024, sequence_length=512, heldout_tokens=512))
     devices = {layer: str(s.sums["query"].device) for layer, s in rot.statistics.items()}
     # accelerate runs CPU-offloaded layers on the GPU (weights stream in), so statistics sit where attention ran
     passed = sorted(devices) == [0, 1] and len(rot.key_rotations) == 2
@@ -633,8 +683,9 @@ def section_quant(device, quick):
             codes = torch.empty(b, h, 4 * blk, d // 4, device=device, dtype=torch.uint8)
             meta_k = torch.empty(b, 4, key_meta_rows(key_blocks, blk), d, 2, device=device, dtype=torch.float16)
             meta_v = torch.empty(b, h, 4 * blk, 1, 2, device=device, dtype=torch.float16)
-            us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, key_blocks, blk, []),
-                                      torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, [], 0, [])))
+            us = bench_graph(lambda: (torch.ops.oscar.quantize_pack(rows_rot, None, 1.0, codes, meta_k, blk, key_blocks, blk, [],
+                                                                    []),
+                                      torch.ops.oscar.quantize_pack(rows_rot, None, 0.92, codes, meta_v, blk, [], 0, [], [])))
             rows.append(dict(kind="demotion", key_layout=layout, batch=b, tokens=blk, us_per_layer_per_demotion=us,
                              us_per_layer_per_step=us / blk))
             log(f"quant demotion B={b} keys {layout}: {us:.1f} us per layer per demotion of {blk} tokens "
@@ -651,9 +702,9 @@ def section_quant(device, quick):
     meta_k = torch.empty(1, n // chunk, key_meta_rows(key_blocks, chunk), 128, 2, device=device, dtype=torch.float16)
     for kind, fn, meta_bytes in (
             ("prefill values (token-wise: rotate+clip+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, [], 0, []), meta.numel() * 2),
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 0.96, codes, meta, 0, [], 0, [], []), meta.numel() * 2),
             ("prefill keys (channel-wise: rotate+quantize+pack)",
-             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, key_blocks, chunk, []),
+             lambda: torch.ops.oscar.quantize_pack(x, rot, 1.0, codes, meta_k, 0, key_blocks, chunk, [], []),
              meta_k.numel() * 2)):
         us = bench_graph(fn)
         moved = x.numel() * 2 + codes.numel() + meta_bytes
@@ -700,21 +751,34 @@ def kv_bytes_bf16(cfg, batch, length):
     return cfg.num_hidden_layers * 2 * batch * cfg.num_key_value_heads * length * cfg.head_dim * 2
 
 
+def chunks(length, chunk):
+    """Sizes of the chunks that store `length` tokens, at most `chunk` each and none of one token (an `OscarCache`
+    stores chunks of several tokens: `OscarCache.store`)."""
+    sizes, done = [], 0
+    while done < length:
+        n = min(chunk, length - done)
+        if length - done - n == 1 and n > 2:
+            n -= 1
+        sizes.append(n)
+        done += n
+    return sizes
+
+
 def fill_cache(model, cache, batch, length, device, chunk=16384):
-    """Writes `length` random tokens into every layer of `cache` through its own `update` (what a prefill does).
-    One random chunk is reused: speed does not depend on the values."""
+    """Writes `length` random tokens into every layer of `cache` chunk by chunk, each chunk through all layers (what
+    a prefill does: the OSCAR layers share one position plan, advanced at the first layer of each pass). One random
+    chunk is reused: speed does not depend on the values."""
+    from oscar_hf import OscarCache
+
     cfg = model.config
     k = torch.randn(batch, cfg.num_key_value_heads, min(chunk, length), cfg.head_dim, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    for layer in range(cfg.num_hidden_layers):
-        done = 0
-        while done < length:
-            n = min(chunk, length - done)
-            if hasattr(cache.layers[layer], "store"):  # an OscarLayer: store without preparing an attention view
-                cache.layers[layer].store(k[:, :, :n], v[:, :, :n])
+    for n in chunks(length, chunk):
+        for layer in range(cfg.num_hidden_layers):
+            if isinstance(cache, OscarCache):  # store without preparing an attention view
+                cache.store(k[:, :, :n], v[:, :, :n], layer)
             else:
                 cache.update(k[:, :, :n], v[:, :, :n], layer)
-            done += n
     sync()
 
 

@@ -5,7 +5,7 @@ shared memory from ptxas: catches compile errors and spills before spending devi
     python eval/compile_kernels.py --sass   # the decode kernel as a real launch specializes it: registers and
                                             # the SASS instruction mix of each loop (the no-GPU profile)
     python eval/compile_kernels.py --sass --blocks 32,64,128,64,64,64,128,64   # per-head key blocks (calibrated)
-    python eval/compile_kernels.py --sass --wide 1,6     # KV heads 1 and 6 wide (4-bit histories, `quant.wide_rows`)
+    python eval/compile_kernels.py --sass --wide 1,6     # KV heads 1 and 6 wide (4-bit histories, `format.wide_rows`)
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
     try:
         q = torch.zeros(batch, kv_heads, gqa, head_dim, dtype=dtype)
         bf = torch.zeros(batch, kv_heads, 256, head_dim, dtype=dtype)
-        from oscar_hf.quant import wide_rows
+        from oscar_hf.format import wide_rows
 
         wide = wide_rows([4 if h in wide_heads else 2 for h in range(kv_heads)])
         codes = torch.zeros(batch, kv_heads + len(wide_heads), length, head_dim // 4, dtype=torch.uint8)

@@ -5,7 +5,8 @@
 #
 #   OUT=/some/dir bash eval/gpu_check.sh [--sections check,quant,memory,micro] [other bench_gpu.py arguments]
 #   BENCH=bench_generate.py OUT=/some/dir bash eval/gpu_check.sh [bench_generate.py arguments]
-# Wheels in gpu-wheels/ (e.g. hqq for transformers' QuantizedCache, which the GPU image lacks) go into the same site.
+# Wheels in gpu-wheels/ (e.g. hqq for transformers' QuantizedCache, which the GPU image lacks) go into the same site,
+# and transformers 5.24 from .whl/ where the image's is older (carry .whl: eval/README.md).
 set -uo pipefail
 source "$(dirname "$0")/gpu_site.sh"
 cd "$SITE"  # not the repository root, where ./oscar_hf (without kernels) would come first on sys.path

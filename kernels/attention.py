@@ -8,7 +8,7 @@ The INT2 history is never dequantized into memory: a key row is k = c·s + m (co
 and minimum m), so q·k = s·(q·c) + m·Σq, one `tl.dot` per quarter plane of the packed bytes; values likewise:
 Σ_j p_j v_j = Σ_j (p_j s_j) c_j + Σ_j p_j m_j.
 Channel-wise keys (the default) have one (scale, minimum) per channel per block of tokens, each KV head its own block
-(`oscar_hf.quant.KeyBlockLayout`: meta `[B, n_chunks, R, d, 2]`, token t of head h at row
+(`oscar_hf.format.StreamFormat`: meta `[B, n_chunks, R, d, 2]`, token t of head h at row
 (t // chunk, offset_h + (t % chunk) // block_h)). A key tile (`key_tile`) is as wide as the smallest block, or, when
 the heads' blocks mix (32, 64, 128 from calibration), twice as wide up to 64 tokens: a head whose block is a multiple
 of the tile reads one meta row per tile and folds its per-channel scales into the query; a head whose block is half
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import attention_layout_problem
+from ..format import kernel_layout_problem
 from .quantize import key_block_table, key_rows_per_chunk, to_storage, wide_channel_table, wide_row_table
 
 LOG2E = 1.4426950408889634
@@ -909,7 +909,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
-    problem = attention_layout_problem(d, hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3], key_blocks,
+    problem = kernel_layout_problem(d, hist_meta_v.shape[3], None if key_chunk else hist_meta_k.shape[3], key_blocks,
                                        bool(wide_rows))
     if problem:
         raise ValueError(problem)

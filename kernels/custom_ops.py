@@ -1,7 +1,7 @@
 """The Triton kernels as torch custom ops, with fake (meta) implementations so that `torch.compile` can trace them:
 - `oscar::quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows)`: fused rotate -> clip ->
   quantize -> pack, token-wise (`key_chunk` 0, `key_blocks` empty) or channel-wise with KV head h over blocks of
-  `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, n_chunks, R, d, 2]`, `oscar_hf.quant.KeyBlockLayout`),
+  `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, n_chunks, R, d, 2]`, `oscar_hf.format.StreamFormat`),
   mutating `codes`/`meta` (prefill into the history, and the decode-time demotion of recent-window tokens);
 - `oscar::quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows)`: the same without the
   rotation, the first row `start` read on the device (int64 tensor; negative: nothing written), channel-wise rows

@@ -8,7 +8,7 @@ codes per byte along head_dim in quarter
 planes (byte j = c[j] | c[j+d/4]<<2 | c[j+d/2]<<4 | c[j+3d/4]<<6), the convention of `oscar_hf.quant`.
 Channel-wise keys (`_quantize_pack_channels_kernel`): one program per chunk of tokens of one (batch, KV head), one
 (scale, minimum) per channel per block of the head's own block size, written into the layer's chunked key meta
-`[B, n_chunks, R, d, 2]` (`oscar_hf.quant.KeyBlockLayout`; the per-head block and row offset come from a small
+`[B, n_chunks, R, d, 2]` (`oscar_hf.format.StreamFormat`; the per-head block and row offset come from a small
 device table, `key_block_table`).
 Wide heads (`wide_row_table`: per KV head the codes row of its low plane, or -1): both kernels quantize those heads'
 rows with 15 levels and store the 4-bit code c = 4·h + l as the high plane h in the head's row and the low plane l in
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import KeyBlockLayout, check_wide_channels, check_wide_rows
+from ..format import StreamFormat
 
 
 @triton.jit
@@ -317,15 +317,33 @@ _MIN_PROGRAMS = 512  # ~4 per SM on an H200: fewer tiles per program rather than
 _KEY_BLOCK_TABLES: dict = {}
 
 
+def stream_format(heads: int, head_dim: int, key_blocks=(), key_chunk: int = 0, wide_rows=(),
+                  wide_channels=()) -> StreamFormat:
+    """The 2-bit `oscar_hf.format.StreamFormat` the flat arguments of a launch describe (validated there; cached)."""
+    key = (int(heads), int(head_dim), tuple(int(b) for b in key_blocks) if key_chunk else (), int(key_chunk),
+           tuple(int(r) for r in wide_rows), tuple(int(n) for n in wide_channels))
+    fmt = _FORMATS.get(key)
+    if fmt is None:
+        if key[5] and any(key[5]) and not key_chunk:
+            raise ValueError(f"wide key channels {list(key[5])} are a layout of channel-wise keys, not of token-wise "
+                             "rows")
+        fmt = _FORMATS[key] = StreamFormat(key[0], key[1], 2, "channel" if key_chunk else "token", blocks=key[2],
+                                           chunk=key[3] or 1, wide_rows=key[4], wide_channels=key[5])
+    return fmt
+
+
+_FORMATS: dict = {}
+
+
 def key_block_table(key_blocks, key_chunk: int, device: torch.device) -> torch.Tensor:
     """The int32 `[H, 2]` device table (block, first meta row within a chunk) of each KV head's channel-wise key
-    blocks (`oscar_hf.quant.KeyBlockLayout`), which the kernels read per head. Cached per (blocks, chunk, device):
+    blocks (`oscar_hf.format.StreamFormat`), which the kernels read per head. Cached per (blocks, chunk, device):
     made on the first (eager) call, reused afterwards, so that a launch inside CUDA-graph capture creates no tensor."""
     key = (tuple(int(b) for b in key_blocks), int(key_chunk), device)
     table = _KEY_BLOCK_TABLES.get(key)
     if table is None:
-        layout = KeyBlockLayout(key[0], key[1])  # checks that every block divides the chunk
-        table = _KEY_BLOCK_TABLES[key] = torch.tensor(list(zip(layout.blocks, layout.offsets)), dtype=torch.int32,
+        fmt = stream_format(len(key[0]), 1 << 16, key[0], key[1])  # checks that every block divides the chunk
+        table = _KEY_BLOCK_TABLES[key] = torch.tensor(list(zip(fmt.blocks, fmt.offsets)), dtype=torch.int32,
                                                       device=device)
     return table
 
@@ -334,15 +352,16 @@ _WIDE_TABLES: dict = {}
 
 
 def wide_row_table(wide_rows, heads: int, device: torch.device) -> torch.Tensor | None:
-    """The int32 `[H]` device table of each KV head's low-plane codes row (`oscar_hf.quant.wide_rows`; -1: not wide),
-    or None when no head is wide. Cached like `key_block_table`."""
+    """The int32 `[H]` device table of each KV head's low-plane codes row (`oscar_hf.format.wide_rows`; -1: not
+    wide), or None when no head is wide. Cached like `key_block_table`."""
     rows = tuple(int(r) for r in wide_rows)
     if not rows:
         return None
     key = (rows, device)
     table = _WIDE_TABLES.get(key)
     if table is None:
-        table = _WIDE_TABLES[key] = torch.tensor(check_wide_rows(rows, heads), dtype=torch.int32, device=device)
+        stream_format(heads, 64, wide_rows=rows)  # checks the numbering
+        table = _WIDE_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
     return table
 
 
@@ -351,22 +370,22 @@ _WIDE_CHANNEL_TABLES: dict = {}
 
 def wide_channel_table(wide_channels, heads: int, head_dim: int, wide_rows,
                        device: torch.device) -> torch.Tensor | None:
-    """The int32 `[H]` device table of each KV head's wide key channels (`oscar_hf.quant.check_wide_channels`), or
-    None when no head has any. Cached like `key_block_table`."""
+    """The int32 `[H]` device table of each KV head's wide key channels (`oscar_hf.format.StreamFormat`), or None
+    when no head has any. Cached like `key_block_table`."""
     counts = tuple(int(n) for n in wide_channels)
     if not any(counts):
         return None
     key = (counts, int(head_dim), tuple(int(r) for r in wide_rows), device)
     table = _WIDE_CHANNEL_TABLES.get(key)
     if table is None:
-        counts = check_wide_channels(counts, heads, head_dim, check_wide_rows(key[2], heads))
+        stream_format(heads, head_dim, (1,) * heads, 1, key[2], counts)  # checks the counts
         table = _WIDE_CHANNEL_TABLES[key] = torch.tensor(counts, dtype=torch.int32, device=device)
     return table
 
 
 def key_rows_per_chunk(key_blocks, key_chunk: int) -> int:
     """R: key meta rows per chunk, all heads together."""
-    return KeyBlockLayout(tuple(key_blocks), int(key_chunk)).rows_per_chunk
+    return stream_format(len(key_blocks), 1 << 16, key_blocks, key_chunk).rows_per_chunk
 
 
 def quantize_pack_triton(

@@ -6,21 +6,20 @@
     model.generate(**inputs, cache=cache)
 
 `StaticOscarCache(model, rotations, max_cache_len=N)` stores the same in fixed buffers: generate compiles its decode
-step and replays it as a CUDA graph.
+step and replays it as a CUDA graph. `calibrate.calibrate(model, tokenizer)` makes the rotations.
 """
 
 from . import assets
 from .attention import register as _register_attention
-from .cache import OscarCache, OscarLayer
-from .config import OscarConfig
+from .cache import OscarCache, OscarLayer, StaticOscarCache
+from .config import CalibrationConfig, OscarConfig
 from .models import UnsupportedModelError
 from .rotations_io import OscarRotations, RotationFileError, weight_fingerprint
-from .static_cache import StaticOscarCache
 
 _register_attention()
 
 __version__ = "0.1.0"
 __all__ = [
-    "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "StaticOscarCache",
+    "CalibrationConfig", "OscarCache", "OscarConfig", "OscarLayer", "OscarRotations", "RotationFileError", "StaticOscarCache",
     "UnsupportedModelError", "assets", "weight_fingerprint",
 ]

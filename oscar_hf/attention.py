@@ -2,94 +2,104 @@
 
 `import oscar_hf` registers it with transformers' `AttentionInterface` (and the standard sdpa mask with
 `AttentionMaskInterface`), so `attn_implementation="oscar"` works at load time or via `model.set_attn_implementation`.
-For layers that are not OSCAR layers (sliding-window layers, or a model run without an OscarCache) it is plain sdpa.
+A call whose kwargs carry no OSCAR view (sliding-window layers, a model run without an OSCAR cache) is plain sdpa.
 
 Math, per KV head h with GQA group g (query heads h·g .. h·g+g-1):
     q̃ = q·R_K[h];  scores = q̃·[K̃_sink | K̂_hist | K̃_recent | K̃_chunk]ᵀ · scale;  õ = softmax(scores)·Ṽ;  o = õ·R_V[h]ᵀ
-computed by `ops.segment_attention`: the split-K Triton kernel that reads packed INT2 directly and merges the segments
-by log-sum-exp on CUDA, its torch twin elsewhere. A first prefill (empty cache) attends only to itself in full
-precision and is plain sdpa on the un-rotated states.
+computed by `ops.segment_attention` (multi-token passes) or `ops.decode_attention` (single-token steps, over the
+layer's whole buffers with the lengths on the device): split-K Triton kernels that read packed INT2 directly and
+merge the segments by log-sum-exp on CUDA, their torch twins elsewhere. A first prefill (empty cache) attends only to
+itself in full precision and is plain sdpa on the un-rotated states.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ops
-from .cache import ATTENTION_NAME, LayerView, claim_layer, rotate
-from .quant import QuantizedKeyChunks, QuantizedRows, dequantize
-from .static_cache import DecodeView
+from .cache import ATTENTION_NAME, VIEW_KWARG, ChunkView, DecodeView
+from .rotation import rotate
 
 QUERY_BLOCK = 4096  # query tokens per kernel call for long chunks
 
 
-def key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """`[B, 1, T, N]` causal+padding mask (bool, or additive float) -> `[B, N]` bool: the keys a row may see at all.
+# The last multi-row mask found causal + padding, as (weak reference, version counter, query start): every layer of a
+# forward pass is handed the same mask, which is then checked once. The version counter moves when it is written.
+_CHECKED_MASK: list = [None]
 
-    The last query row sees every earlier position, so its row is exactly the padding mask; causality comes from
-    positions inside `ops.segment_attention`.
-    """
+
+def key_padding_mask(attention_mask: torch.Tensor | None, query_start: int = 0) -> torch.Tensor | None:
+    """`[B, 1, T, N]` causal + padding mask (bool, or additive float) -> `[B, N]` bool: the keys a row may see at all.
+
+    The last query row sees every earlier position, so its row is the padding mask; causality comes from positions
+    inside the ops (query row i at position `query_start` + i). A mask of several rows that is not causal + padding
+    (bidirectional, custom) is refused: it would silently become a padding mask."""
     if attention_mask is None:
         return None
-    row = attention_mask[:, 0, -1, :]
-    if row.dtype != torch.bool:
-        row = row > torch.finfo(row.dtype).min / 2
+    if attention_mask.dim() != 4:
+        raise ValueError(f"the 'oscar' attention takes a 4D attention mask, got {attention_mask.dim()}D")
+    allowed = attention_mask if attention_mask.dtype == torch.bool else \
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    row = allowed[:, 0, -1, :]
+    t, n = allowed.shape[2], allowed.shape[3]
+    checked = _CHECKED_MASK[0]
+    if t > 1 and not (checked is not None and checked[0]() is attention_mask
+                      and checked[1:] == (attention_mask._version, query_start)):
+        own = query_start + torch.arange(t, device=allowed.device)
+        expected = row[:, None, :] & (torch.arange(n, device=allowed.device)[None, None, :] <= own[None, :, None])
+        if not torch.equal(allowed[:, 0], expected):
+            raise ValueError("the 'oscar' attention reads causal + padding masks only, and this attention mask is not "
+                             "one (bidirectional or custom): use attn_implementation='sdpa' for it")
+        _CHECKED_MASK[0] = (weakref.ref(attention_mask), attention_mask._version, query_start)
     return row
 
 
-def oscar_segment_attention(
-    module, view: LayerView, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, **kwargs
-) -> torch.Tensor:
-    """Attention of (un-rotated) `query` `[B, Hq, T, d]` over one layer's cache; returns `[B, T, Hq, d]`."""
+def segment_attention(view: ChunkView, query: torch.Tensor, attention_mask, scale: float, module, **kwargs):
+    """Attention of (un-rotated) `query` `[B, Hq, T, d]` over one layer's stored past and the chunk; `[B, T, Hq, d]`."""
     if view.past_length == 0:
         if attention_mask is not None and attention_mask.shape[-1] > query.shape[2]:
             attention_mask = attention_mask[..., : query.shape[2]]  # a static cache's mask spans max_cache_len keys
-        out, _ = sdpa_attention_forward(
-            module, query, view.original_keys, view.original_values, attention_mask, scaling=scale, **kwargs
-        )
+        out, _ = sdpa_attention_forward(module, query, view.original_keys, view.original_values, attention_mask,
+                                        scaling=scale, **kwargs)
         return out
+    layer, seg = view.layer, view.segments
     b, hq, t, d = query.shape
-    heads = view.key_rotation.shape[0]
-    groups = hq // heads
-    q_rot = rotate(query.reshape(b, heads, groups * t, d), view.key_rotation)  # row g·T + t (a view of query)
-    sink_k, sink_v = view.sink_keys, view.sink_values
-    hist_k, hist_v = view.history_keys, view.history_values
-    key_layout = ((list(hist_k.layout.blocks), hist_k.layout.chunk) if isinstance(hist_k, QuantizedKeyChunks)
-                  else ([], 0))
-    wide, wide_channels = [], []
-    if not isinstance(hist_k, torch.Tensor) and hist_k.bits == 2:
-        codes_k, meta_k, codes_v, meta_v = hist_k.codes, hist_k.meta, hist_v.codes, hist_v.meta
-        wide = list(hist_k.wide_rows)
-        wide_channels = list(getattr(hist_k, "wide_channels", ()))
-    else:
-        # Other widths: the history joins the sink as one dense segment (positions stay contiguous).
-        if query.is_cuda and not isinstance(hist_k, torch.Tensor):
-            ops.warn_slow_path(f"{hist_k.bits}-bit histories are dequantized every step (the decode kernel reads 2 bits)")
-        sink_k = torch.cat([sink_k, dequantize(hist_k, sink_k.dtype)], dim=2)
-        sink_v = torch.cat([sink_v, dequantize(hist_v, sink_v.dtype)], dim=2)
-        codes_k = codes_v = sink_k.new_empty(b, heads, 0, d // 4, dtype=torch.uint8)
-        meta_k = meta_v = sink_k.new_empty(b, heads, 0, 1, 2, dtype=torch.float16)
-        key_layout = ([], 0)
-    key_mask = key_padding_mask(attention_mask)
-    extra_k, extra_v = view.extra_keys, view.extra_values
-    q_rot = q_rot.reshape(b, heads, groups, t, d)
+    heads = layer.fmt.heads
+    q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation).reshape(b, heads, hq // heads, t, d)
+    key_mask = key_padding_mask(attention_mask, view.past_length)
+    extra_k, extra_v = seg.extra_keys, seg.extra_values
     outs = []
     # A long chunk is processed in blocks of queries, which bounds the kernel's partial-result buffers.
     for t0 in range(0, t, QUERY_BLOCK):
         t1 = min(t0 + QUERY_BLOCK, t)
-        n_extra = min(extra_k.shape[2], t1)  # the chunk's own keys a query of this block can see
-        block, _ = ops.segment_attention(
-            q_rot[:, :, :, t0:t1].reshape(b, heads, groups * (t1 - t0), d), sink_k, sink_v, codes_k, meta_k, codes_v,
-            meta_v, view.recent_keys, view.recent_values, extra_k, extra_v, key_mask,
-            sink_k.shape[2], codes_k.shape[2], view.recent_keys.shape[2], n_extra, t1 - t0, view.past_length + t0, scale,
-            *key_layout, wide, wide_channels,
-        )
-        outs.append(block.reshape(b, heads, groups, t1 - t0, d))
+        seg.extra_keys, seg.extra_values = extra_k[:, :, :t1], extra_v[:, :, :t1]  # what this block can see
+        block, _ = ops.segment_attention(q_rot[:, :, :, t0:t1].reshape(b, heads, -1, d), seg, layer.fmt, key_mask,
+                                         t1 - t0, view.past_length + t0, scale)
+        outs.append(block.reshape(b, heads, hq // heads, t1 - t0, d))
     out_rot = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
-    out = rotate(out_rot.reshape(b, heads, groups * t, d), view.value_rotation.transpose(-1, -2)).reshape(b, hq, t, d)
-    return out.transpose(1, 2).contiguous()
+    out = rotate(out_rot.reshape(b, heads, hq // heads * t, d), layer.value_rotation.transpose(-1, -2))
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
+
+
+def decode_attention(view: DecodeView, query: torch.Tensor, attention_mask, scale: float) -> torch.Tensor:
+    """A single-token step: one op over the layer's buffers with the lengths on the device, capturable in a CUDA
+    graph; the output is un-rotated inside it (by R_Vᵀ). `query` `[B, Hq, 1, d]` -> `[B, 1, Hq, d]`."""
+    layer = view.layer
+    b, hq, t, d = query.shape
+    heads = layer.fmt.heads
+
+    def attend(query, mask=None):
+        q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation)
+        return ops.decode_attention(q_rot, layer.decode_buffers(), layer.fmt, mask, layer.plan.lengths, t, scale,
+                                    value_rotation=layer.value_rotation, kernel=layer.kernel)
+
+    mask = key_padding_mask(attention_mask)
+    out = layer._decode_call("attend", attend, query, *(() if mask is None else (mask,)), static=(scale,))
+    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
 
 
 def oscar_attention_forward(
@@ -103,14 +113,13 @@ def oscar_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """`AttentionInterface` entry point. Returns `([B, T, Hq, d], None)` like transformers' sdpa."""
-    layer = claim_layer(module, kwargs, query)
-    if layer is None:
+    view = kwargs.pop(VIEW_KWARG, None)
+    if view is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("the OSCAR attention does not support attention-logit soft-capping")
     if kwargs.get("sliding_window") is not None:
         raise ValueError("an OSCAR layer received a sliding-window attention call; this layer should not be OSCAR")
-    view = layer.take_view()
     if query.shape[2] != view.chunk_length or query.shape[0] != view.batch:
         raise RuntimeError(
             f"the 'oscar' attention of layer {getattr(module, 'layer_idx', '?')} got {query.shape[0]}×{query.shape[2]} "
@@ -119,32 +128,8 @@ def oscar_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(view, DecodeView):
-        return oscar_decode_attention(view.layer, query, attention_mask, scale), None
-    return oscar_segment_attention(module, view, query, attention_mask, scale, dropout=dropout), None
-
-
-def oscar_decode_attention(layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """A decode step on a static layer (`static_cache.py`): one op over its fixed buffers with the lengths on the
-    device, capturable in a CUDA graph; the output is un-rotated inside it (by R_Vᵀ, in the kernel's merge).
-    `query` `[B, Hq, T, d]` -> `[B, T, Hq, d]`."""
-    b, hq, t, d = query.shape
-    heads = layer.key_rotation.shape[0]
-    s, r = layer.config.sink_tokens, layer.plan.ring
-    keys, values = layer.history_keys, layer.history_values
-
-    def attend(query, mask=None):
-        q_rot = rotate(query.reshape(b, heads, hq // heads * t, d), layer.key_rotation)
-        return ops.decode_attention(
-            q_rot, layer.sink_keys[:, :, :s], layer.sink_values[:, :, :s], keys.buffers["codes"], keys.buffers["meta"],
-            values.buffers["codes"], values.buffers["meta"], layer.ring_keys[:, :, :r], layer.ring_values[:, :, :r],
-            mask, layer.plan.lengths, t, scale, *keys.kernel_key_layout,
-            value_rotation=layer.value_rotation, wide_rows=keys.wide, wide_channels=keys.wide_channels,
-            kernel=layer.kernel,
-        )
-
-    mask = key_padding_mask(attention_mask)
-    out = layer.decode_call("attend", attend, query, *(() if mask is None else (mask,)), static=(scale,))
-    return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
+        return decode_attention(view, query, attention_mask, scale), None
+    return segment_attention(view, query, attention_mask, scale, module, dropout=dropout), None
 
 
 def register() -> None:

@@ -10,17 +10,17 @@
                   blocks (never an N×N matrix)                                   (the paper's VᵀSᵀSV, OSCAR)
      - logit:     Σ_j w_j v_j v_jᵀ, w_j = k_jᵀ C_q k_j with C_q the same sequence's query second moment, normalised to
                   mean 1 (the reference code's weighting; it uses C_q over all tokens, which needs two passes)
-     - Σ k, `[H_kv, d]`: the key mean μ (`OscarConfig.center_keys`; accumulated always, it costs nothing)
+     - Σ k, `[H_kv, d]`: the key mean μ (`CalibrationConfig.center_keys`; accumulated always, it costs nothing)
 2. Rotations: eigenvectors of the chosen targets, composed with H and P (`rotation.build_rotation`), per KV head or
    shared per layer.
 3. Clips: on held-out tokens (never used in step 1), per layer, the ratio in `clip_grid` that minimises the
    attention-output error when the keys (resp. values) outside the sink and recent window are clipped and quantized,
    exactly as the cache will store them (with `center_keys`, the held-out keys are centered by μ first).
-4. Wide heads (`OscarConfig.wide_heads`): the model reads a random token sequence twice; the KV heads whose second
+4. Wide heads (`CalibrationConfig.wide_heads`): the model reads a random token sequence twice; the KV heads whose second
    reading attends most to the token after each token's first occurrence (the induction pattern by which a model
    retrieves what it has seen: `RetrievalProbe`) keep their history at 4 bits, as many as the bit budget pays for.
    The score needs no text, so it does not depend on the calibration domain.
-5. Wide key channels (`OscarConfig.key_channel_bits="fitted"`): a key error e moves a query's logit by q·e, so the
+5. Wide key channels (`CalibrationConfig.key_channel_bits="fitted"`): a key error e moves a query's logit by q·e, so the
    expected logit error is Σ_c E[q_c²]·E[e_c²] where the query second moment is diagonal, as it nearly is in the raw
    post-RoPE channels (each RoPE pair, averaged over positions, is a multiple of the identity). Per 2-bit (layer,
    KV head), the held-out queries give each raw channel its weight E[q_c²] (the GQA group pooled) and the held-out
@@ -42,10 +42,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .config import OscarConfig
+from .config import CalibrationConfig, OscarConfig
 from .data import load_texts, sequence_prefix, token_sequences
-from .models import ModelGeometry, UnsupportedModelError, check_attention_interface, model_geometry, text_config
-from .quant import WIDE_BITS, fake_quantize, fake_quantize_channels
+from .models import (ModelGeometry, UnsupportedModelError, check_attention_interface, decoder_attention,
+                     model_geometry, text_config)
+from .format import WIDE_BITS, wide_channel_permutation
+from .quant import fake_quantize, fake_quantize_channels
 from .rotation import build_rotation
 from .rotations_io import FINGERPRINT_KEY, LAYOUT_FIELDS, OscarRotations, geometry_dict_for, weight_fingerprint
 
@@ -53,7 +55,7 @@ CAPTURE_NAME = "oscar_capture"
 # Fewer KV heads than this in the OSCAR layers keep key_block everywhere: the allocation trusts one held-out sequence's
 # errors, and with few heads each move is a large share of the budget. Gemma-3-270M (three global layers of one KV
 # head) lost perplexity with it (20.03 vs 19.90 uniform; BF16 19.67) while models with 48-90 heads gained. Waived when
-# the budget exceeds key_block everywhere (OscarConfig.allocation_key_bits): then no head gives up bits.
+# the budget exceeds key_block everywhere (CalibrationConfig.allocation_key_bits): then no head gives up bits.
 MIN_ALLOCATION_HEADS = 16
 TARGETS = ("query", "key", "value", "attention", "logit")
 _QUERY_BLOCK = 256
@@ -151,7 +153,7 @@ class StatisticsCollector:
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     collector: StatisticsCollector | None = getattr(_capture, "collector", None)
-    if collector is not None and getattr(module, "layer_idx", None) is not None:
+    if collector is not None and id(module) in _capture.modules:  # the language model's layers, not a vision tower's
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         collector.observe(module.layer_idx, query, key, value, attention_mask, scale)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -171,10 +173,11 @@ def capturing(model, collector: "StatisticsCollector | RetrievalProbe"):
     previous = text_config(model.config)._attn_implementation
     model.set_attn_implementation(CAPTURE_NAME)
     _capture.collector = collector
+    _capture.modules = {id(module) for _, module in decoder_attention(model).values()}
     try:
         yield
     finally:
-        _capture.collector = None
+        _capture.collector, _capture.modules = None, set()
         model.set_attn_implementation(previous)
 
 
@@ -196,28 +199,55 @@ def _input_device(model) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------- rotations
-def rotations_from_statistics(stats: LayerStatistics, config: OscarConfig) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class RotationTargets:
+    """How the rotations are built from the statistics: OSCAR's (`RotationTargets()`) or an ablation's.
+
+    key_target: covariance whose eigenvectors rotate keys: "query" (GQA-pooled query second moment, OSCAR), "key"
+    (KᵀK), "hadamard" (data-free H·P), "identity". value_target: "attention" (the paper's VᵀSᵀSV), "logit" (the
+    reference code's weighting), "value" (VᵀV), "hadamard", "identity". per_head: one rotation per (layer, KV head),
+    or one per layer. hadamard, permutation: the H and P factors of R = U·H·P."""
+
+    key_target: str = "query"
+    value_target: str = "attention"
+    per_head: bool = True
+    hadamard: bool = True
+    permutation: bool = True
+
+    def __post_init__(self):
+        if self.key_target not in ("query", "key", "hadamard", "identity"):
+            raise ValueError(f"RotationTargets.key_target: unknown target {self.key_target!r}")
+        if self.value_target not in ("attention", "logit", "value", "hadamard", "identity"):
+            raise ValueError(f"RotationTargets.value_target: unknown target {self.value_target!r}")
+
+    def describe(self) -> dict:
+        return {"key_target": self.key_target, "value_target": self.value_target, "per_head": self.per_head,
+                "composition": "U" + ("·H" if self.hadamard else "") + ("·P" if self.permutation else "")}
+
+
+def rotations_from_statistics(stats: LayerStatistics, targets: RotationTargets = RotationTargets(),
+                              center_keys: bool = False) -> dict[str, torch.Tensor]:
     """Key/value rotations `[H, d, d]` and eigenvalues `[H, d]` (float64) for one layer."""
     out = {}
-    for which, target_name in (("key", config.key_target), ("value", config.value_target)):
+    for which, target_name in (("key", targets.key_target), ("value", targets.value_target)):
         h, d = stats.sums["query"].shape[:2]
         data_free = target_name in ("hadamard", "identity")
         if data_free:
-            targets = torch.eye(d, dtype=torch.float64).expand(h, d, d)
+            covariances = torch.eye(d, dtype=torch.float64).expand(h, d, d)
         else:
-            targets = stats.target(target_name)
-            if target_name == "key" and config.center_keys:
+            covariances = stats.target(target_name)
+            if target_name == "key" and center_keys:
                 mu = stats.key_mean()  # the cache stores k − μ: rotate by the eigenvectors of their covariance
-                targets = targets - torch.einsum("hd,he->hde", mu, mu)
-            if not config.per_head:
-                targets = targets.mean(0, keepdim=True).expand(h, d, d)
+                covariances = covariances - torch.einsum("hd,he->hde", mu, mu)
+            if not targets.per_head:
+                covariances = covariances.mean(0, keepdim=True).expand(h, d, d)
         rots, eigs = [], []
         for head in range(h):
             r, lam = build_rotation(
-                targets[head],
+                covariances[head],
                 use_eigenvectors=not data_free,
-                use_hadamard=config.use_hadamard and target_name != "identity",
-                use_permutation=config.use_permutation and target_name != "identity",
+                use_hadamard=targets.hadamard and target_name != "identity",
+                use_permutation=targets.permutation and target_name != "identity",
             )
             rots.append(r)
             eigs.append(lam)
@@ -346,13 +376,11 @@ def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0) -
 
 
 def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torch.Tensor],
-                     per_head: bool = True, hadamard_preference: float = 1.0) -> tuple[torch.Tensor, list[str]]:
+                     per_head: bool = True) -> tuple[torch.Tensor, list[str]]:
     """Per KV head (or for the whole layer, summing the heads' errors, when rotations are shared per layer), the
-    candidate with the lowest error (ties to the earlier candidate), the data-free "hadamard" candidate's error
-    divided by `hadamard_preference` first; returns `([H, d, d], names per head)`."""
+    candidate with the lowest error (ties to the earlier candidate); returns `([H, d, d], names per head)`."""
     names = list(candidates)
-    weight = {n: hadamard_preference if n == "hadamard" else 1.0 for n in names}
-    table = torch.stack([errors[n] / weight[n] for n in names])  # [candidates, H]
+    table = torch.stack([errors[n] for n in names])  # [candidates, H]
     if not per_head:
         table = table.sum(1, keepdim=True).expand_as(table)
     best = table.argmin(0).tolist()
@@ -360,20 +388,21 @@ def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torc
     return rotation, [names[c] for c in best]
 
 
-def key_block_errors(query, key, value, rotation: torch.Tensor, scale: float,
-                     config: OscarConfig) -> dict[int, torch.Tensor]:
+def key_block_errors(query, key, value, rotation: torch.Tensor, scale: float, config: OscarConfig,
+                     choices) -> dict[int, torch.Tensor]:
     """Held-out relative attention-output error per KV head `[H]` of keys stored in the basis `rotation` `[H, d, d]`
-    over blocks of each of `config.key_block_choices` (`key_basis_errors` with that block everywhere)."""
+    over blocks of each of `choices` tokens (`key_basis_errors` with that block everywhere)."""
     return {block: key_basis_errors(query, key, value, {"stored": rotation}, scale,
-                                    config.replace(key_block=block, key_block_allocation="uniform"))["stored"]
-            for block in config.key_block_choices}
+                                    config.replace(key_block=block))["stored"]
+            for block in choices}
 
 
-def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: OscarConfig,
+def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: OscarConfig, choices,
                         key_bits: float | None = None) -> dict[int, tuple[int, ...]]:
     """The channel-wise key block of every (layer, KV head), `{layer: (block, ...)}`, that minimises the summed
-    held-out error `errors[layer][block][head]` with at most `key_bits` average key bits per element (default: the
-    metadata of `config.key_block` everywhere; calibration passes `config.allocation_key_bits(head_dim)`).
+    held-out error `errors[layer][block][head]` over the blocks `choices`, with at most `key_bits` average key bits
+    per element (default: the metadata of `config.key_block` everywhere; calibration passes
+    `CalibrationConfig.allocation_key_bits`).
 
     Exact (a multiple-choice knapsack by dynamic programming): a head with block b costs demotion_block / b
     (scale, minimum) rows per demotion block, and the budget is the count those bits pay for. Unlike a greedy, it
@@ -385,12 +414,12 @@ def allocate_key_blocks(errors: dict[int, dict[int, torch.Tensor]], config: Osca
         budget = len(units) * chunk // config.key_block
     else:  # rows of 2 * meta_bits per channel each add 2 * meta_bits / chunk bits per key element
         budget = int(len(units) * (key_bits - config.bits) * chunk / (2 * config.meta_bits) + 1e-9)
-    coarsest = chunk // max(config.key_block_choices)
+    coarsest = chunk // max(choices)
     if budget < len(units) * coarsest:
         raise ValueError(f"a key budget of {key_bits} bits per element is below the coarsest key block "
-                         f"({max(config.key_block_choices)} tokens, {config.bits + 2 * config.meta_bits / max(config.key_block_choices):g} bits): "
-                         "raise OscarConfig.allocation_history_bits")
-    choices = sorted(config.key_block_choices)  # finest first
+                         f"({max(choices)} tokens, {config.bits + 2 * config.meta_bits / max(choices):g} bits): "
+                         "raise CalibrationConfig.allocation_history_bits")
+    choices = sorted(choices)  # finest first
     inf = float("inf")
     best = [0.0] + [inf] * budget  # best[c]: least error of the units so far using exactly c rows
     picks = []
@@ -482,11 +511,12 @@ def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEV
     return probe.scores
 
 
-def allocate_wide_heads(scores: dict[int, torch.Tensor], config: OscarConfig, head_dim: int,
+def allocate_wide_heads(scores: dict[int, torch.Tensor], config: OscarConfig, head_dim: int, budget: float,
                         key_blocks: dict[int, tuple[int, ...]] | None = None) -> dict[int, tuple[int, ...]] | None:
     """`{layer: (history bits per KV head, ...)}`: the heads with the highest retrieval score at `quant.WIDE_BITS`,
     as many as raise the history (keys and values averaged over every head, with these key blocks) to at most
-    `config.wide_budget(head_dim)`: a wide head costs WIDE_BITS − bits more on both streams. None when the budget
+    `budget` bits per element (`CalibrationConfig.wide_budget`): a wide head costs WIDE_BITS − bits more on both
+    streams. None when the budget
     pays for none."""
     units = [(layer, h) for layer in sorted(scores) for h in range(len(scores[layer]))]
     if not units:
@@ -494,7 +524,7 @@ def allocate_wide_heads(scores: dict[int, torch.Tensor], config: OscarConfig, he
     key_bits = [config.bits + 2 * config.meta_bits / (key_blocks[layer][h] if key_blocks else config.key_block)
                 for layer, h in units]
     history = (sum(key_bits) / len(units) + config.value_bits(head_dim)) / 2
-    count = int((config.wide_budget(head_dim) - history) * len(units) / (WIDE_BITS - config.bits) + 1e-9)
+    count = int((budget - history) * len(units) / (WIDE_BITS - config.bits) + 1e-9)
     if count <= 0:
         return None
     chosen = set(sorted(units, key=lambda u: (-float(scores[u[0]][u[1]]), u))[:count])
@@ -508,16 +538,16 @@ def best_ratio(errors: dict[float, float]) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- entry point
-def calibration_sequences(tokenizer, config: OscarConfig, data=None):
+def calibration_sequences(tokenizer, calibration: CalibrationConfig, data=None):
     """The calibration sequences and the held-out sequence (after them, disjoint): `(sequences, heldout, data_info)`."""
     documents, data_info = load_texts(data)
-    seq_len = config.calibration_sequence_length
-    n_seq = math.ceil(config.calibration_tokens / seq_len)
+    seq_len = calibration.sequence_length
+    n_seq = math.ceil(calibration.tokens / seq_len)
     sequences = token_sequences(tokenizer, documents, seq_len, n_seq)
     heldout = []
-    if config.heldout_tokens:
+    if calibration.heldout_tokens:
         offset = n_seq * (seq_len - len(sequence_prefix(tokenizer)))
-        heldout = token_sequences(tokenizer, documents, config.heldout_tokens, 1, offset=offset)
+        heldout = token_sequences(tokenizer, documents, calibration.heldout_tokens, 1, offset=offset)
     return sequences, heldout, data_info
 
 
@@ -563,23 +593,6 @@ def water_fill(weights: torch.Tensor, errors: torch.Tensor, budget: int, widths=
         level[channel] = choice
 
 
-def wide_channel_order(bits: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """(n, permutation `[d, d]` float64) from channel widths `[d]` in CHANNEL_WIDTHS: n = the 4-bit channels, each
-    paired with a 0-bit one (unpaired 0-bit channels, when the budget was not spent, are stored at 2 bits: the bytes
-    are there); columns ordered [4-bit | 2-bit | 0-bit], each group in channel order, so that k·P stores them as
-    `quant.quantize_wide_channels` expects."""
-    four = (bits == WIDE_BITS).nonzero().flatten()
-    zero = (bits == 0).nonzero().flatten()
-    n = min(len(four), len(zero))
-    four, zero = four[:n], zero[len(zero) - n :]
-    paired = set(four.tolist()) | set(zero.tolist())
-    middle = [c for c in range(bits.shape[0]) if c not in paired]
-    order = four.tolist() + middle + zero.tolist()
-    perm = torch.zeros(bits.shape[0], bits.shape[0], dtype=torch.float64)
-    perm[order, torch.arange(bits.shape[0])] = 1.0
-    return n, perm
-
-
 def allocate_wide_channels(query: torch.Tensor, key: torch.Tensor, blocks, config: OscarConfig,
                            head_bits=None) -> tuple[tuple[int, ...], torch.Tensor | None, torch.Tensor]:
     """One layer's wide key channels from one held-out sequence (query `[Hq, T, d]`, key `[H, T, d]` post-RoPE, raw
@@ -603,7 +616,7 @@ def allocate_wide_channels(query: torch.Tensor, key: torch.Tensor, blocks, confi
             widths.append(torch.full((d,), WIDE_BITS))
             continue
         bits = water_fill(weights[head], errors[head], config.bits * d)
-        n, perm = wide_channel_order(bits)
+        n, perm = wide_channel_permutation(bits)
         counts.append(n)
         perms.append(perm)
         widths.append(bits)
@@ -654,31 +667,40 @@ def calibrate(
     tokenizer,
     data=None,
     config: OscarConfig | None = None,
+    calibration: CalibrationConfig | None = None,
     progress: bool = True,
     statistics: dict[int, LayerStatistics] | None = None,
+    targets: RotationTargets = RotationTargets(),
 ) -> OscarRotations:
-    """Calibrates OSCAR rotations (and fitted clips) for `model` on `data` (see `data.load_texts`).
+    """Calibrates OSCAR rotations (and fitted clips, key blocks, wide heads and key channel widths) for `model` on
+    `data` (see `data.load_texts`), for the storage layout `config` (default `OscarConfig()`), as `calibration` says
+    (default `CalibrationConfig()`).
 
     Returns `OscarRotations`; `rotations.metadata["calibration"]` records the data, token counts and time, and
-    `rotations.report` holds a `CalibrationReport` (printable with `.summary()`).
-    Pass `statistics` (from an earlier run's `rotations.statistics`) to rebuild rotations for another `config`
-    without running the model again (ablations).
+    `rotations.report` holds a `CalibrationReport` (printable with `.summary()`). Pass `statistics` (from an earlier
+    run's `rotations.statistics`) to rebuild rotations for another config without running the model again; `targets`
+    builds the rotations another way (the evaluation's ablations).
     """
     config = config or OscarConfig()
+    calibration = calibration or CalibrationConfig()
+    calibration.check_for(config)
     check_attention_interface(model)
     geometry = model_geometry(model.config)
     config.check_head_dim(geometry.head_dim)
-    if config.heldout_tokens and config.heldout_tokens <= config.sink_tokens + config.window_tokens:
+    if calibration.heldout_tokens and calibration.heldout_tokens <= config.sink_tokens + config.window_tokens:
         raise ValueError(
-            f"OscarConfig.heldout_tokens: {config.heldout_tokens} must exceed sink_tokens + window_tokens "
+            f"CalibrationConfig.heldout_tokens: {calibration.heldout_tokens} must exceed sink_tokens + window_tokens "
             f"({config.sink_tokens + config.window_tokens}) for the clip fit to see quantized history"
         )
     start = time.perf_counter()
-    seq_len = config.calibration_sequence_length
+    seq_len = calibration.sequence_length
     max_positions = getattr(text_config(model.config), "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
-        raise ValueError(f"OscarConfig.calibration_sequence_length {seq_len} exceeds the model's {max_positions} positions")
-    sequences, heldout, data_info = calibration_sequences(tokenizer, config, data)
+        raise ValueError(f"CalibrationConfig.sequence_length {seq_len} exceeds the model's {max_positions} positions")
+    if calibration.tokens < seq_len:
+        raise ValueError(f"CalibrationConfig.tokens {calibration.tokens} is less than one calibration sequence "
+                         f"({seq_len} tokens, CalibrationConfig.sequence_length)")
+    sequences, heldout, data_info = calibration_sequences(tokenizer, calibration, data)
     used_tokens = sum(len(s) for s in sequences)
 
     collector = StatisticsCollector(geometry)
@@ -704,17 +726,17 @@ def calibrate(
 
     key_rotations, value_rotations, key_eigs, value_eigs = {}, {}, {}, {}
     for layer in geometry.oscar_layers:
-        built = rotations_from_statistics(collector.layers[layer], config)
+        built = rotations_from_statistics(collector.layers[layer], targets, calibration.center_keys)
         key_rotations[layer], value_rotations[layer] = built["key_rotation"], built["value_rotation"]
         key_eigs[layer], value_eigs[layer] = built["key_eigenvalues"], built["value_eigenvalues"]
 
     key_means = None
-    if config.center_keys:
+    if calibration.center_keys:
         key_means = {layer: collector.layers[layer].key_mean() for layer in geometry.oscar_layers}
 
     key_bases: dict[int, list[str]] = {}
     key_basis_errors_seen: dict[int, dict[str, list[float]]] = {}
-    if config.choose_key_basis and config.bits < 16 and not heldout:
+    if calibration.choose_key_basis and config.bits < 16 and not heldout:
         # Nothing to choose on: channel-wise keys are safest unrotated (a dense rotation can mix slowly-varying
         # channels with fast ones); token-wise keys keep the calibrated rotation, as the paper does.
         if config.key_granularity == "channel":
@@ -725,9 +747,10 @@ def calibrate(
     key_clips = value_clips = key_blocks = None
     curves: dict[int, dict] = {}
     block_errors: dict[int, dict[int, torch.Tensor]] = {}
-    key_bits = config.allocation_key_bits(geometry.head_dim)
-    allocate = (config.key_granularity == "channel" and config.key_block_allocation == "fitted"
-                and len(config.key_block_choices) > 1
+    key_bits = calibration.allocation_key_bits(config, geometry.head_dim)
+    choices = calibration.key_block_choices(config)
+    allocate = (config.key_granularity == "channel" and calibration.key_block_allocation == "fitted"
+                and len(choices) > 1
                 and (len(geometry.oscar_layers) * geometry.num_key_value_heads >= MIN_ALLOCATION_HEADS
                      or key_bits > config.bits + 2 * config.meta_bits / config.key_block + 1e-9))
     if heldout and config.bits < 16:
@@ -742,27 +765,28 @@ def calibrate(
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
                 k = k - key_means[layer].to(dev, k.dtype)[:, None, :]
-            if config.choose_key_basis:
+            if calibration.choose_key_basis:
                 candidates = key_basis_candidates(key_rotations[layer])
                 errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
-                key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, config.per_head,
-                                                                          config.key_basis_hadamard_preference)
+                key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, targets.per_head)
                 key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
             if allocate:
-                block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config)
+                block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config, choices)
             errs = clip_errors(
-                q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config, config.clip_grid
+                q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config,
+                calibration.clip_grid
             )
             curves[layer] = errs
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
         if allocate:
-            key_blocks = allocate_key_blocks(block_errors, config, key_bits)
+            key_blocks = allocate_key_blocks(block_errors, config, choices, key_bits)
     head_bits = retrieval = None
-    if config.wide_heads == "retrieval" and config.wide_layout:
+    wide_budget = calibration.wide_budget(geometry.head_dim)
+    if calibration.wide_heads == "retrieval" and config.wide_layout:
         retrieval = retrieval_scores(model, tokenizer)
-        head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, key_blocks)
+        head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, wide_budget, key_blocks)
     key_wide_channels = channel_widths = None
-    if config.key_channel_bits == "fitted" and config.wide_channel_layout and heldout:
+    if calibration.key_channel_bits == "fitted" and config.wide_channel_layout and heldout:
         # (without held-out tokens there is nothing to weigh the channels on: 2 bits in each, like the key blocks)
         key_wide_channels, channel_widths = {}, {}
         for layer in geometry.oscar_layers:
@@ -770,7 +794,7 @@ def calibrate(
             if key_means is not None:
                 k = k - key_means[layer].to(k.device, k.dtype)[:, None, :]
             heads = k.shape[0]
-            blocks = config.key_blocks(heads, None if key_blocks is None else key_blocks[layer])
+            blocks = key_blocks[layer] if key_blocks is not None else (config.key_block,) * heads
             counts, perms, widths = allocate_wide_channels(q, k, blocks, config,
                                                            None if head_bits is None else head_bits[layer])
             key_wide_channels[layer], channel_widths[layer] = counts, widths
@@ -795,13 +819,7 @@ def calibrate(
             "device": str(_input_device(model)),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         },
-        "method": {
-            "key_target": config.key_target,
-            "value_target": config.value_target,
-            "per_head": config.per_head,
-            "composition": "U·H·P" if config.use_hadamard and config.use_permutation else
-            "U" + ("·H" if config.use_hadamard else "") + ("·P" if config.use_permutation else ""),
-        },
+        "method": targets.describe(),
         "key_basis": {
             "chosen": {str(layer): names for layer, names in key_bases.items()},
             "errors": {str(layer): errs for layer, errs in key_basis_errors_seen.items()},
@@ -810,7 +828,7 @@ def calibrate(
         "key_block_allocation": {
             "objective": "least summed relative attention-output error on held-out tokens (keys quantized in the "
                          "stored basis, values exact) within budget_key_bits",
-            "choices": list(config.key_block_choices),
+            "choices": list(choices),
             "budget_key_bits": round(key_bits, 4),
             "average_key_bits": round(sum(config.bits + 2 * config.meta_bits / b for bl in key_blocks.values() for b in bl)
                                       / sum(len(bl) for bl in key_blocks.values()), 4),
@@ -825,16 +843,17 @@ def calibrate(
         "wide_heads": {
             "objective": "highest retrieval score (attention from a repeated random-token sequence to the token after "
                          "each token's first occurrence) within budget_history_bits",
-            "budget_history_bits": config.wide_budget(geometry.head_dim),
+            "budget_history_bits": wide_budget,
             "bits": WIDE_BITS,
             "scores": {str(layer): [round(float(x), 5) for x in sc] for layer, sc in retrieval.items()},
         } if retrieval is not None else None,
         "clip_fit": {
             "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
-            "grid": list(config.clip_grid),
+            "grid": list(calibration.clip_grid),
             "errors": {str(layer): {w: {str(r): e for r, e in c.items()} for w, c in errs.items()} for layer, errs in curves.items()},
         },
         "oscar_config": config.to_dict(),
+        "calibration_config": calibration.to_dict(),
         FINGERPRINT_KEY: weight_fingerprint(model),
         "versions": {
             "oscar_hf": _version(),
@@ -843,6 +862,7 @@ def calibrate(
             "python": platform.python_version(),
         },
     }
+    layout = {name: getattr(config, name) for name in LAYOUT_FIELDS if name != "key_block_allocation"}
     rotations = OscarRotations(
         geometry_dict_for(model.config),
         {k: v.float() for k, v in key_rotations.items()},
@@ -853,7 +873,7 @@ def calibrate(
         value_clips,
         metadata=metadata,
         key_means=None if key_means is None else {k: v.float() for k, v in key_means.items()},
-        layout={name: getattr(config, name) for name in LAYOUT_FIELDS},
+        layout=layout | {"key_block_allocation": calibration.key_block_allocation},
         key_blocks=key_blocks,
         head_bits=head_bits,
         key_wide_channels=key_wide_channels,

@@ -18,115 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .assets import OFFLINE_MODELS
 from .config import DTYPES
-
-MODEL_HELP = (
-    "a local model folder, a Hub repo id, or a model installed from PyPI without a hub: "
-    f"{', '.join(OFFLINE_MODELS)} (also written offline:NAME)"
-)
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for: printed as one line, exit status 2."""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    if isinstance(error, KeyError) and error.args:
-        text = f"missing key {error.args[0]!r}"
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-# ------------------------------------------------------------------------------------------------ loading
-def resolve_model(spec: str, what: str = "model") -> str:
-    """What `from_pretrained` gets for a `--model` value: the folder of an offline model, a local folder that must
-    exist (checked before any Hub call, so a typo says "not found"), or a Hub repo id."""
-    from .assets import model_path
-    from .rotations_io import is_local_path
-
-    name = spec[len("offline:"):] if spec.startswith("offline:") else None
-    if name is None and spec in OFFLINE_MODELS and not Path(spec).exists():
-        name = spec
-    if name is not None:
-        if name not in OFFLINE_MODELS:
-            raise UsageError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
-        return str(model_path(name))
-    if is_local_path(spec):
-        folder = Path(spec).expanduser()
-        if not folder.exists():
-            raise UsageError(f"{what} folder {spec} not found")
-        if what == "model" and not (folder / "config.json").is_file():
-            raise UsageError(f"{spec} is not a model folder: config.json not found in it")
-    return spec
-
-
-def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None, attn: str = "oscar",
-               tokenizer: str | None = None):
-    """`(model, tokenizer, path)` from a folder, a Hub id, or an offline model name (`tokenizer`: another source)."""
-    import oscar_hf  # noqa: F401  (registers the "oscar" attention)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import model_geometry
-
-    path = resolve_model(spec)
-    kwargs = {"dtype": DTYPES[dtype], "attn_implementation": attn}
-    if device_map:
-        kwargs["device_map"] = device_map
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    except (OSError, ValueError, KeyError) as e:  # transformers' errors for a missing repo, file or model type
-        raise UsageError(f"cannot load model {spec!r}: {_first_line(e)}") from e
-    model_geometry(model.config)  # refuses an unsupported architecture now, with the reason
-    source = resolve_model(tokenizer, "tokenizer") if tokenizer else path
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-    except Exception as e:  # a missing tokenizer fails in many ways deep inside transformers
-        hint = "" if tokenizer else " (pass --tokenizer FOLDER_OR_ID)"
-        raise UsageError(f"cannot load a tokenizer from {tokenizer or spec!r}: {_first_line(e)}{hint}") from e
-    return model, tok, path
-
-
-def load_config(path: str | None, **overrides):
-    """The `OscarConfig` of a YAML/JSON file (or the defaults), with the non-None `overrides` applied."""
-    from .config import OscarConfig
-
-    config = OscarConfig()
-    if path:
-        if not Path(path).is_file():
-            raise UsageError(f"config file {path} not found")
-        try:
-            config = OscarConfig.load(path)
-        except Exception as e:  # JSON/YAML syntax or a bad field: name the file
-            raise UsageError(f"config file {path}: {_first_line(e)}") from e
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    return config.replace(**changes) if changes else config
-
-
-def load_rotations(spec: str | None, model, allow_other_weights: bool):
-    """Rotations from `spec` (folder or Hub id), or found beside the model; checked against the model's weights."""
-    from .rotations_io import OscarRotations, RotationFileError
-
-    _check_rotation_path(spec)
-    if spec is None:
-        try:
-            return OscarRotations.from_pretrained(model, allow_other_weights=allow_other_weights)
-        except RotationFileError as e:
-            if "weights" in str(e):
-                raise
-            raise UsageError(f"no --rotations given and none beside the model ({_first_line(e)}); pass --rotations "
-                             "or run `oscar-hf calibrate --model MODEL` first") from e
-    rotations = OscarRotations.from_pretrained(spec)
-    rotations.check_fingerprint(model, strict=not allow_other_weights)
-    return rotations
-
-
-def _check_rotation_path(spec: str | None) -> None:
-    from .rotations_io import is_local_path
-
-    if spec is not None and is_local_path(spec) and not Path(spec).expanduser().exists():
-        raise UsageError(f"rotation folder {spec} not found")
-
+from .loading import (MODEL_HELP, UsageError, check_rotation_path, first_line, load_config, load_model,  # noqa: F401
+                      load_rotations, model_config, resolve_model)
 
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -144,16 +38,21 @@ def cmd_calibrate(args) -> int:
 
     if args.data not in (None, "default") and not args.data.startswith("hf:") and not Path(args.data).is_file():
         raise UsageError(f"calibration data file {args.data} not found")
-    config = load_config(args.config, calibration_tokens=args.tokens, center_keys=True if args.center_keys else None,
-                         wide_heads="none" if args.no_wide_heads else None, key_channel_bits=args.key_channel_bits)
-    model, tokenizer, path = load_model(args.model, args.dtype, args.device_map, attn="sdpa", tokenizer=args.tokenizer)
+    config, calibration, targets = load_config(args.config, calibration=True)
+    changes = dict(tokens=args.tokens, center_keys=True if args.center_keys else None,
+                   wide_heads="none" if args.no_wide_heads else None, key_channel_bits=args.key_channel_bits)
+    calibration = calibration.replace(**{k: v for k, v in changes.items() if v is not None})
+    path, model_cfg = model_config(args.model)
     output = args.output
     if output is None:
         if not Path(path).is_dir():
             raise UsageError(f"give --output FOLDER: {args.model!r} is not a local folder to write the rotations beside")
         output = str(Path(path) / "oscar")
-    config = _fit_to_positions(config, getattr(text_config(model.config), "max_position_embeddings", None))
-    rotations = calibrate(model, tokenizer, data=args.data, config=config, progress=not args.quiet)
+    calibration = _fit_to_positions(calibration, getattr(text_config(model_cfg), "max_position_embeddings", None))
+    calibration = _whole_sequences(calibration, "--tokens" if args.tokens is not None else "CalibrationConfig.tokens")
+    model, tokenizer, path = load_model(args.model, args.dtype, args.device_map, attn="sdpa", tokenizer=args.tokenizer)
+    rotations = calibrate(model, tokenizer, data=args.data, config=config, calibration=calibration,
+                          progress=not args.quiet, targets=targets)
     rotations.metadata["weight_fingerprint"] = weight_fingerprint(model)
     out = rotations.save_pretrained(output)
     print(rotations.report.summary())
@@ -165,11 +64,31 @@ def _fit_to_positions(config, max_positions: int | None):
     """Calibration sequences no longer than the model's positions (GPT-2: 1024; the default length is 2048)."""
     if not max_positions:
         return config
-    changes = {name: max_positions for name in ("calibration_sequence_length", "heldout_tokens")
+    changes = {name: max_positions for name in ("sequence_length", "heldout_tokens")
                if getattr(config, name) > max_positions}
     if changes:
-        print(f"oscar-hf: note: {', '.join(changes)} lowered to the model's {max_positions} positions", file=sys.stderr)
+        names = {"sequence_length": "calibration sequence length", "heldout_tokens": "held-out tokens"}
+        print(f"oscar-hf: note: {' and '.join(names[n] for n in changes)} lowered to the model's {max_positions} "
+              "positions", file=sys.stderr)
     return config.replace(**changes) if changes else config
+
+
+def _whole_sequences(calibration, what: str):
+    """Calibration runs whole sequences of `sequence_length` tokens: a token count below one sequence is refused (it
+    would silently become a whole sequence), one between two whole counts is rounded up, with a note."""
+    import math
+
+    tokens, length = calibration.tokens, calibration.sequence_length
+    if tokens < length:
+        raise UsageError(f"{what} {tokens} is less than one calibration sequence ({length} tokens, "
+                         f"CalibrationConfig.sequence_length): give {length} or more, or a shorter sequence_length "
+                         "in --config")
+    whole = math.ceil(tokens / length) * length
+    if whole != tokens:
+        print(f"oscar-hf: note: {what} {tokens} rounded up to {whole} ({whole // length} whole sequences of "
+              f"{length} tokens)", file=sys.stderr)
+        calibration = calibration.replace(tokens=whole)
+    return calibration
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -196,12 +115,9 @@ def _generate(model, tokenizer, prompt_ids, cache, max_new_tokens):
 def _memory_lines(cache) -> list[str]:
     """The cache's memory, told truthfully at any length: bytes holding tokens ("used") apart from bytes reserved
     ahead, and plainly when every token still sits in the BF16 sink/window."""
-    from .cache import OscarLayer
-
     report = cache.memory_report()
-    layer = next(l for l in cache.layers if isinstance(l, OscarLayer))
-    tokens, cfg = report["tokens"], layer.config
-    quantized = tokens - layer.n_sink - layer.n_recent
+    tokens, cfg = report["tokens"], cache.oscar_config
+    quantized = cache.plan.counts(tokens)[1]
     used = report["oscar_used_bytes"] + report["sliding_bytes"]
     bf16 = report["bf16_equivalent_bytes"]
     lines = [
@@ -239,7 +155,7 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise UsageError("the prompt is empty")
     config = load_config(args.config)
-    _check_rotation_path(args.rotations)  # before the model loads: a typo should not cost a minute
+    check_rotation_path(args.rotations)  # before the model loads: a typo should not cost a minute
     model, tokenizer, _ = load_model(args.model, args.dtype, args.device_map, tokenizer=args.tokenizer)
     rotations = load_rotations(args.rotations, model, args.allow_other_weights)
     ids = _prompt_ids(tokenizer, prompt, chat=not args.no_chat).to(model.get_input_embeddings().weight.device)
@@ -269,7 +185,7 @@ def cmd_export(args) -> int:
     from .export import export_sglang_oscar
     from .rotations_io import OscarRotations
 
-    _check_rotation_path(args.rotations)
+    check_rotation_path(args.rotations)
     rotations = OscarRotations.from_pretrained(args.rotations)
     config = load_config(args.config) if args.config else None
     paths = export_sglang_oscar(rotations, args.output, config=config, key_clip=args.key_clip,
@@ -285,17 +201,18 @@ def cmd_demo(args) -> int:
     from . import assets
     from .cache import OscarCache
     from .calibrate import calibrate
-    from .config import OscarConfig
+    from .config import CalibrationConfig, OscarConfig
     from .data import token_sequences
     from .metrics import cache_kwarg, perplexity
     from .rotations_io import OscarRotations, weight_fingerprint
 
     torch.manual_seed(0)
+    calibration = _whole_sequences(CalibrationConfig(tokens=args.tokens), "--tokens")
     print(f"== 1. model: {args.model}")
     model, tokenizer, path = load_model(args.model, args.dtype)
     out_dir = Path(args.output)
-    print(f"== 2. calibrating OSCAR rotations ({args.tokens} tokens, calibration split of the essays)")
-    rotations = calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=args.tokens), progress=not args.quiet)
+    print(f"== 2. calibrating OSCAR rotations ({calibration.tokens} tokens, calibration split of the essays)")
+    rotations = calibrate(model, tokenizer, calibration=calibration, progress=not args.quiet)
     print(rotations.report.summary())
     rotations.metadata["weight_fingerprint"] = weight_fingerprint(model)
     rotations.save_pretrained(out_dir)
@@ -373,17 +290,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder, where `generate` finds them without --rotations)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when the model folder has none")
     p.add_argument("--data", default=None, help="text/json/jsonl file, 'hf:NAME[:CONFIG][:SPLIT][:COLUMN]', or default")
-    p.add_argument("--tokens", type=int, default=None, help="calibration tokens (default 8192)")
-    p.add_argument("--config", default=None, help="OscarConfig as a YAML or JSON file")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="calibration tokens (default 8192), in whole sequences of CalibrationConfig.sequence_length "
+                        "(2048): fewer than one sequence is refused, others are rounded up")
+    p.add_argument("--config", default=None,
+                   help="a YAML or JSON mapping of OscarConfig fields (the storage layout to calibrate for) and "
+                        "CalibrationConfig fields")
     p.add_argument("--center-keys", action="store_true",
-                   help="subtract the calibrated per-(layer, KV head) key mean before storing keys (OscarConfig."
-                        "center_keys; helps models whose keys carry a large mean, e.g. Qwen2.5, Gemma 3)")
+                   help="subtract the calibrated per-(layer, KV head) key mean before storing keys (CalibrationConfig"
+                        ".center_keys; helps models whose keys carry a large mean, e.g. Qwen2.5, Gemma 3)")
     p.add_argument("--no-wide-heads", action="store_true",
-                   help="every KV head at 2 bits (OscarConfig.wide_heads='none'; by default the heads that retrieve "
+                   help="every KV head at 2 bits (CalibrationConfig.wide_heads='none'; by default the heads that retrieve "
                         "by content keep a 4-bit history, within the size budget)")
     p.add_argument("--key-channel-bits", default=None, choices=("fitted", "uniform"),
                    help="fitted: each 2-bit head's key channels at 0, 2 or 4 bits by held-out query energy x key error "
-                        "(same bytes; OscarConfig.key_channel_bits); uniform: 2 bits in every channel")
+                        "(same bytes; CalibrationConfig.key_channel_bits); uniform: 2 bits in every channel")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
     p.set_defaults(func=cmd_calibrate)
@@ -399,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true",
                    help="use the prompt as plain text (by default it goes into the tokenizer's chat template, if any)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--config", default=None, help="OscarConfig as a YAML or JSON file (sink, window, bits, clips ...)")
+    p.add_argument("--config", default=None,
+                   help="OscarConfig as a YAML or JSON file (fields such as sink_tokens, window_tokens, bits, key_clip, "
+                        "value_clip)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--device-map", default=None, help="e.g. auto (accelerate) to spread a large model over devices")
     p.add_argument("--allow-other-weights", action="store_true",
@@ -411,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Calibrate, save, reload, generate, measure memory and perplexity, on one model.")
     p.add_argument("--model", default="offline:smollm2-135m", help=MODEL_HELP + " (default offline:smollm2-135m)")
     p.add_argument("--output", default="oscar-demo", help="folder for the rotations and demo_summary.json")
-    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="calibration tokens, in whole sequences of 2048 (fewer than one sequence is refused)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
     p.add_argument("--prompt-tokens", type=int, default=1024, help="length of the essay prompt for generation")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
@@ -428,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default=FORMATS[0], choices=FORMATS, help="target engine format")
     p.add_argument("--output", required=True, help="folder for the engine's files")
     p.add_argument("--config", default=None,
-                   help="OscarConfig (YAML/JSON) to reproduce: sink, window, group size, clip modes (default: the "
-                        "calibration's)")
+                   help="OscarConfig (YAML/JSON) to reproduce: sink_tokens, window_tokens, group_size, key_clip, "
+                        "value_clip (default: the calibration's)")
     p.add_argument("--key-clip", type=float, default=None, help="one key clip ratio for all layers (0, 1]")
     p.add_argument("--value-clip", type=float, default=None, help="one value clip ratio for all layers (0, 1]")
     p.set_defaults(func=cmd_export)
@@ -445,7 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(p)
     p.set_defaults(func=report.run)
 
-    p = sub.add_parser("lm-eval", add_help=False, help="lm-eval's command line with the 'oscar' model type registered")
+    p = sub.add_parser("lm-eval", add_help=False,
+                       help="lm-eval's command line with the 'oscar' model type and the offline tasks registered "
+                            "(pretrained=smollm2-135m works offline). Short 0-shot prompts stay in the BF16 sink/window "
+                            "(64 + 256 tokens), so their score measures BF16: use oscar_bb_siqa_long, --num_fewshot or "
+                            "sink=/window=; the log after the run says how many scored tokens reached the INT2 history")
     p.set_defaults(func=None)
     return parser
 
@@ -464,7 +392,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["lm-eval"]:  # everything after it goes to lm-eval's own parser
         from .evaluation.lm_eval_model import cli_main
 
-        return cli_main(argv[1:])
+        return _report_errors(lambda: cli_main(argv[1:]), os.environ.get("OSCAR_HF_DEBUG", "") not in ("", "0"))
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("OSCAR_HF_DEBUG", "") not in ("", "0")
     if args.quiet:
@@ -478,7 +406,15 @@ def main(argv=None) -> int:
         warnings.showwarning = lambda message, category, *_, **__: print(
             f"oscar-hf: warning: {message}", file=sys.stderr)
     try:
-        return args.func(args)
+        return _report_errors(lambda: args.func(args), debug)
+    finally:
+        warnings.showwarning = show
+
+
+def _report_errors(run, debug: bool) -> int:
+    """`run()`'s status; an error is one line: status 2 for a user error, 1 (asking for a report) for anything else."""
+    try:
+        return run()
     except KeyboardInterrupt:
         print("oscar-hf: interrupted", file=sys.stderr)
         return 130
@@ -486,13 +422,11 @@ def main(argv=None) -> int:
         if debug:
             raise
         if isinstance(e, _user_errors()):
-            print(f"oscar-hf: error: {_first_line(e)}", file=sys.stderr)
+            print(f"oscar-hf: error: {first_line(e)}", file=sys.stderr)
             return 2
-        print(f"oscar-hf: error: {type(e).__name__}: {_first_line(e)} (unexpected; rerun with --debug for the "
-              "traceback and report it)", file=sys.stderr)
+        print(f"oscar-hf: error: {type(e).__name__}: {first_line(e)} (unexpected; rerun with --debug or "
+              "OSCAR_HF_DEBUG=1 for the traceback and report it)", file=sys.stderr)
         return 1
-    finally:
-        warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import OscarConfig
+from .config import OscarConfig, split_legacy
 from .quant import clip_threshold_index
 from .rotations_io import OscarRotations
 
@@ -74,9 +74,9 @@ def _one_ratio(rotations: OscarRotations, config: OscarConfig, given: float | No
 
 
 def calibration_config(rotations: OscarRotations) -> OscarConfig:
-    """The `OscarConfig` the rotations were calibrated with (recorded in their metadata), else the default."""
+    """The `OscarConfig` the rotations were calibrated for (recorded in their metadata), else the default."""
     recorded = rotations.metadata.get("oscar_config")
-    return OscarConfig.from_dict(recorded) if recorded else OscarConfig()
+    return split_legacy(recorded)[0] if recorded else OscarConfig()
 
 
 def export_sglang_oscar(

@@ -137,24 +137,88 @@ def check_attention_interface(model) -> None:
         )
 
 
+# Children of an attention module that project its output (not part of what keys/queries/values are made from).
+OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj", "wo")
+
+
+def language_model(model):
+    """The decoder whose layers the cache stores: `model.get_decoder()` (a vision-language model's language model,
+    a causal LM's base model), or `model` itself when it has none."""
+    get = getattr(model, "get_decoder", None)
+    if callable(get):
+        try:
+            decoder = get()
+        except (AttributeError, NotImplementedError, TypeError):
+            decoder = None
+        if decoder is not None and hasattr(decoder, "named_modules"):
+            return decoder
+    return model
+
+
+def decoder_attention(model) -> dict[int, tuple[str, object]]:
+    """The language model's attention modules, `{layer_idx: (name in model, module)}`: the modules that call
+    `cache.update(..., self.layer_idx)`, so exactly those the cache's layers belong to. A vision tower's attention
+    (`vision_tower.encoder.layers.N.self_attn`) is no part of it.
+
+    Found inside `language_model(model)` as the modules with an integer `layer_idx` that own a q/k/v projection
+    (q_proj/k_proj/v_proj, GPT-2's c_attn, GPT-NeoX's query_key_value, fused qkv_proj/Wqkv/W_pack); without any,
+    by name (`layers.N.self_attn` / `h.N.attn` / `layers.N.attention`)."""
+    import re
+
+    decoder = language_model(model)
+    prefix = next((name + "." for name, module in model.named_modules() if module is decoder and name), "")
+    projections = ("q_proj", "k_proj", "v_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv", "W_pack")
+    found: dict[int, tuple[str, object]] = {}
+    for name, module in decoder.named_modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and not isinstance(index, bool) and any(
+                hasattr(module, p) for p in projections):
+            found.setdefault(index, (prefix + name, module))
+    if not found:
+        for name, module in decoder.named_modules():
+            match = re.search(r"(?:^|\.)(?:layers|h)\.(\d+)\.(?:self_attn|attn|attention)$", name)
+            if match:
+                found.setdefault(int(match.group(1)), (prefix + name, module))
+    return dict(sorted(found.items()))
+
+
+def tensor_parallel_rank(model, tp_size: int) -> int:
+    """This process's coordinate along the tensor-parallel dimension of `model`'s device mesh.
+
+    transformers records the mesh as `model._device_mesh` (5.2x: dims ("pp", "fsdp", "tp"); 4.5x: the TP mesh
+    itself); the coordinate is taken on its "tp" dimension (or on the mesh itself when it is one-dimensional), which
+    holds wherever TP sits in the mesh. Only without a mesh is it the global rank modulo `tp_size` (TP innermost, as
+    `torchrun` with TP alone lays it out)."""
+    import torch
+
+    mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
+    if mesh is not None and hasattr(mesh, "get_local_rank"):
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "tp" in names:
+            return int(mesh.get_local_rank("tp"))
+        if getattr(mesh, "ndim", None) == 1:
+            return int(mesh.get_local_rank())
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return torch.distributed.get_rank() % tp_size
+
+
 def kv_head_shards(model, head_dim: int, num_key_value_heads: int) -> dict[int, tuple[int, int]]:
     """Under tensor parallelism (`tp_plan="auto"` under torchrun), the KV heads each layer computes on this rank:
     `{layer: (first head, count)}`, only for layers holding fewer than all heads (empty without TP).
 
-    Read from the layer's `k_proj` weight: a DTensor sharded on its output rows tells its global offset; a plain
+    Read from the `k_proj` weight of the language model's attention layers (`decoder_attention`; a vision tower's
+    projections are no part of the cache): a DTensor sharded on its output rows tells its global offset; a plain
     tensor smaller than the whole projection (a model sharded into local tensors) is taken as the rank's contiguous
-    block. Shardings the cache cannot follow (heads split inside, a replicated-but-partial layout) are refused."""
-    import re
-
+    block, at its coordinate on the mesh's TP dimension (`tensor_parallel_rank`). Shardings the cache cannot follow
+    (heads split inside, a replicated-but-partial layout) are refused."""
     import torch
 
     shards = {}
-    for name, module in model.named_modules():
-        match = re.search(r"layers\.(\d+)\.self_attn$", name)
+    for layer, (_, module) in decoder_attention(model).items():
         weight = getattr(getattr(module, "k_proj", None), "weight", None)
-        if match is None or weight is None:
+        if weight is None:
             continue
-        layer = int(match.group(1))
         if hasattr(weight, "placements"):  # DTensor
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -166,8 +230,7 @@ def kv_head_shards(model, head_dim: int, num_key_value_heads: int) -> dict[int, 
                 continue
             tp_size = getattr(model, "tp_size", None) or (torch.distributed.get_world_size()
                                                            if torch.distributed.is_initialized() else 1)
-            rank = torch.distributed.get_rank() % tp_size if torch.distributed.is_initialized() else 0
-            first_row = rank * rows
+            first_row = tensor_parallel_rank(model, tp_size) * rows
         if rows == num_key_value_heads * head_dim:
             continue
         if rows % head_dim or first_row % head_dim:

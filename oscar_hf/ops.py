@@ -1,6 +1,8 @@
-"""The hot operations of the cache, behind one signature each: the Triton kernel on CUDA (`oscar_hf.kernels`,
-registered as torch custom ops `oscar::quantize_pack`, `oscar::quantize_pack_at`, `oscar::segment_attention`,
-`oscar::decode_attention` and `oscar::rotate_store_token`), the pure-torch twin here everywhere else. `OSCAR_HF_KERNELS=0` forces the twins; `OSCAR_HF_KERNELS=1` forces the kernels (on the CPU that
+"""The hot operations of the cache, one signature each over a `format.LayerFormat` (or one stream's `StreamFormat`):
+the Triton kernel on CUDA (`oscar_hf.kernels`, registered as torch custom ops `oscar::quantize_pack`,
+`oscar::quantize_pack_at`, `oscar::segment_attention`, `oscar::decode_attention` and `oscar::rotate_store_token`), the
+pure-torch twin here everywhere else. The custom ops take flat arguments; `_kernel_layout` flattens a format into
+them, in one place. `OSCAR_HF_KERNELS=0` forces the twins; `OSCAR_HF_KERNELS=1` forces the kernels (on the CPU that
 needs `TRITON_INTERPRET=1`, which is how the CI tests them).
 """
 
@@ -9,11 +11,13 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
-from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize_key_chunks, dequantize_rows,
-                    quantize_key_chunks, quantize_rows)
+from .format import LayerFormat, StreamFormat
+from .quant import Packed, dequantize, quantize
+from .rotation import rotate
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -48,9 +52,10 @@ def warn_slow_path(reason: str) -> None:
         warnings.warn(f"oscar_hf: {reason}; using the slower torch path", RuntimeWarning, stacklevel=3)
 
 
-def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
-    """Whether the Triton kernels run for `tensor` (CUDA, bf16/fp16, kernels importable, and no `problem` with the
-    layout). `OSCAR_HF_KERNELS=1` turns every reason not to into an error; on CUDA each reason warns once."""
+def use_kernels(tensor: torch.Tensor, fmt: LayerFormat | StreamFormat | None = None) -> bool:
+    """Whether the Triton kernels run for `tensor` and a layer or stream of format `fmt` (CUDA, bf16/fp16, kernels
+    importable, a 2-bit layout they read). `OSCAR_HF_KERNELS=1` turns every reason not to into an error; on CUDA each
+    reason warns once."""
     mode = os.environ.get("OSCAR_HF_KERNELS", "auto")
     if mode == "0" or (mode != "1" and not tensor.is_cuda):
         return False
@@ -59,8 +64,12 @@ def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
         reason = f"Triton kernels unavailable ({error})"
     elif tensor.dtype not in KERNEL_DTYPES:
         reason = f"the kernels take bfloat16/float16 states, not {str(tensor.dtype).replace('torch.', '')}"
+    elif isinstance(fmt, LayerFormat):
+        reason = fmt.kernel_problem()
+    elif isinstance(fmt, StreamFormat) and fmt.bits != 2:
+        reason = f"the quantize kernels write 2-bit histories, not {fmt.bits}-bit ones"
     else:
-        reason = problem
+        reason = None
     if reason is None:
         return True
     if mode == "1":
@@ -70,159 +79,127 @@ def use_kernels(tensor: torch.Tensor, problem: str | None = None) -> bool:
     return False
 
 
-def attention_layout_problem(head_dim: int, value_groups: int, key_groups: int, key_blocks=(),
-                             wide: bool = False) -> str | None:
-    """Why the INT2 decode kernel cannot read this layout, or None. The kernel applies one scale per quarter plane of
-    the packed bytes (1, 2 or 4 token-wise groups per row), tiles keys by 16..128 tokens (every channel-wise key block
-    a multiple of the tile: powers of two >= 16 or multiples of 128) and needs head_dim >= 64; wide heads need
-    channel-wise keys and one value group per row (the default layout)."""
-    if wide and (not key_blocks or value_groups != 1):
-        return "the INT2 decode kernel reads wide heads with channel-wise keys and one value group per row only"
-    if head_dim < 64 or head_dim & (head_dim - 1):
-        return f"the INT2 decode kernel needs a power-of-two head_dim >= 64, got {head_dim}"
-    for name, groups in (("value", value_groups), ("key", key_groups)):
-        if groups not in (1, 2, 4) and not (name == "key" and key_blocks):
-            return (f"the INT2 decode kernel reads 1, 2 or 4 quantization groups per {name} row, not {groups} "
-                    f"(group_size {head_dim // max(groups, 1)} at head_dim {head_dim})")
-    for block in key_blocks:
-        if block % 16 or (block & (block - 1) and block % 128):
-            return (f"the INT2 decode kernel needs channel-wise key blocks that are powers of two >= 16 or multiples "
-                    f"of 128, got {block}")
-    return None
+def _kernel_layout(fmt: StreamFormat) -> tuple[list[int], int, list[int], list[int]]:
+    """A stream's format as the custom ops take it: (key_blocks, key_chunk, wide_rows, wide_channels), `key_chunk`
+    0 for token-wise streams."""
+    if fmt.channelwise:
+        return list(fmt.blocks), fmt.chunk, list(fmt.wide_rows), list(fmt.wide_channels)
+    return [], 0, list(fmt.wide_rows), []
 
 
 # ------------------------------------------------------------------------------------------ quantize_pack
-def quantize_pack_reference(
-    x: torch.Tensor, rotation: torch.Tensor | None, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: int,
-    key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (), wide_channels: list[int] = (),
-) -> None:
-    """Rotates (if `rotation` `[H, d, d]` is given), clips, quantizes to 2 bits and packs rows `x` `[B, H, n, d]` into
-    `codes[:, :, start:start+n]` (`[B, H, L, d/4]` uint8) and the matching `meta` rows: token-wise (`key_chunk == 0`,
-    meta `[B, H, L, G, 2]`) or channel-wise with KV head h over blocks of `key_blocks[h]` tokens in chunks of
-    `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; `start` and n multiples of the chunk, no
-    clip). `wide_rows` (`quant.wide_rows`): wide heads at 4 bits, their low planes in the codes' rows after the H heads
-    (codes `[B, H + U, L, d/4]`). `wide_channels` (channel-wise keys): each KV head's wide key channels
-    (`quant.quantize_wide_channels`; empty: none)."""
-    n, d = x.shape[2], x.shape[3]
+def _write_rows(packed: Packed, codes: torch.Tensor, meta: torch.Tensor | None, rows: torch.Tensor,
+                due: torch.Tensor | None = None) -> None:
+    """Writes `packed` (n rows) into history rows `rows` (int64 `[n]`), branch-free where `due` (a bool scalar) says
+    whether to write: the rows are rewritten with their old contents where nothing is due."""
+    fmt = packed.fmt
+    targets = [(codes, packed.codes, 2, rows)]
+    if meta is not None:
+        if fmt.channelwise:
+            first = torch.div(rows[:1], fmt.chunk, rounding_mode="floor")
+            targets.append((meta, packed.meta, 1, first + torch.arange(packed.meta.shape[1], device=rows.device)))
+        else:
+            targets.append((meta, packed.meta, 2, rows))
+    for buf, new, dim, index in targets:
+        if due is not None:
+            new = torch.where(due, new, buf.index_select(dim, index))
+        buf.index_copy_(dim, index, new.to(buf.dtype))
+
+
+def quantize_pack_reference(x: torch.Tensor, rotation: torch.Tensor | None, codes: torch.Tensor,
+                            meta: torch.Tensor | None, start: int, fmt: StreamFormat) -> None:
+    """Rotates (if `rotation` `[H, d, d]` is given), clips (token-wise), quantizes and packs rows `x` `[B, H, n, d]`
+    into history rows [start, start + n) of `codes` / `meta` (`fmt`'s buffers; channel-wise: `start` and n whole
+    chunks)."""
+    n = x.shape[2]
     if n == 0:
         return
     if rotation is not None:
         x = torch.matmul(x, rotation)
-    wide = tuple(wide_rows)
-    if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide, tuple(wide_channels))
-        codes[:, :, start : start + n] = q.codes
-        meta[:, start // key_chunk : (start + n) // key_chunk] = q.meta
-        return
-    group = d // meta.shape[3]
-    q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, group, meta.dtype, wide)
-    codes[:, :, start : start + n] = q.codes
-    meta[:, :, start : start + n] = q.meta
+    _write_rows(quantize(x, fmt), codes, meta, torch.arange(start, start + n, device=x.device))
 
 
-def quantize_pack(x, rotation, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, wide_rows=(),
-                  wide_channels=(), kernel: bool | None = None) -> None:
+def quantize_pack(x, rotation, codes, meta, start: int, fmt: StreamFormat, kernel: bool | None = None) -> None:
     """`quantize_pack_reference`'s contract, on the Triton kernel where it applies (`kernel`: decided by the caller,
     e.g. once outside a compiled region; None: decide here)."""
-    if use_kernels(x) if kernel is None else kernel:
-        kernel_op("quantize_pack")(x, rotation, float(clip_ratio), codes, meta, int(start),
-                                      [int(b) for b in key_blocks], int(key_chunk), [int(r) for r in wide_rows],
-                                      [int(n) for n in wide_channels])
+    if use_kernels(x, fmt) if kernel is None else kernel:
+        blocks, chunk, wide_rows, wide_channels = _kernel_layout(fmt)
+        kernel_op("quantize_pack")(x, rotation, float(fmt.clip), codes, meta, int(start), blocks, chunk, wide_rows,
+                                   wide_channels)
     else:
-        quantize_pack_reference(x, rotation, clip_ratio, codes, meta, start, key_blocks, key_chunk, wide_rows,
-                                wide_channels)
+        quantize_pack_reference(x, rotation, codes, meta, start, fmt)
 
 
-def quantize_pack_at_reference(
-    x: torch.Tensor, clip_ratio: float, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-    key_blocks: list[int] = (), key_chunk: int = 0, ring: int = 0, wide_rows: list[int] = (),
-    wide_channels: list[int] = (),
-) -> None:
+def quantize_pack_at_reference(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor | None, start: torch.Tensor,
+                               fmt: StreamFormat, ring: int = 0) -> None:
     """`quantize_pack_reference` (rows already rotated) with the first row `start` an int64 tensor of one element on
     x's device, so that a captured decode step can write where the token count says without a host synchronisation;
-    a negative `start` writes nothing. Channel-wise: `start` and n multiples of `key_chunk` (the caller's contract:
-    a device value cannot be checked without a synchronisation); `ring` > 0: x `[B, H, >= ring, d]` is a ring whose
-    slot j mod ring holds history row j, and one chunk, rows [start, start + key_chunk), is read from it.
-    Branch-free: the target rows are rewritten with their old contents where nothing is due."""
+    a negative `start` writes nothing. Channel-wise: `start` and n multiples of the chunk (the caller's contract: a
+    device value cannot be checked without a synchronisation); `ring` > 0: x `[B, H, >= ring, d]` is a ring whose
+    slot j mod ring holds history row j, and one chunk, rows [start, start + chunk), is read from it."""
     start = start.reshape(())
-    due = start >= 0
     first = start.clamp(min=0)
     if ring:
-        if not key_chunk:
+        if not fmt.channelwise:
             raise ValueError("a ring source is for channel-wise key chunks")
-        x = x.index_select(2, (first + torch.arange(key_chunk, device=x.device)) % ring)
-    n, d = x.shape[2], x.shape[3]
-    if n == 0:
+        x = x.index_select(2, (first + torch.arange(fmt.chunk, device=x.device)) % ring)
+    if x.shape[2] == 0:
         return
-    rows = first + torch.arange(n, device=x.device)
-    wide = tuple(wide_rows)
-    if key_chunk:
-        q = quantize_key_chunks(x, 2, KeyBlockLayout(tuple(key_blocks), key_chunk), meta.dtype, wide, tuple(wide_channels))
-        meta_index, meta_dim = torch.div(first, key_chunk, rounding_mode="floor") + torch.arange(n // key_chunk, device=x.device), 1
-    else:
-        q = quantize_rows(clip_rows(x.float(), clip_ratio), 2, d // meta.shape[3], meta.dtype, wide)
-        meta_index, meta_dim = rows, 2
-    codes.index_copy_(2, rows, torch.where(due, q.codes, codes.index_select(2, rows)))
-    meta.index_copy_(meta_dim, meta_index, torch.where(due, q.meta, meta.index_select(meta_dim, meta_index)))
+    _write_rows(quantize(x, fmt), codes, meta, first + torch.arange(x.shape[2], device=x.device), due=start >= 0)
 
 
-def quantize_pack_at(x, clip_ratio, codes, meta, start, key_blocks=(), key_chunk=0, ring: int = 0, wide_rows=(),
-                     wide_channels=(), kernel: bool | None = None) -> None:
+def quantize_pack_at(x, codes, meta, start, fmt: StreamFormat, ring: int = 0, kernel: bool | None = None) -> None:
     """`quantize_pack_at_reference`'s contract, on the Triton kernel `oscar::quantize_pack_at` where it applies."""
-    if use_kernels(x) if kernel is None else kernel:
-        kernel_op("quantize_pack_at")(x, float(clip_ratio), codes, meta, start, [int(b) for b in key_blocks],
-                                         int(key_chunk), int(ring), [int(r) for r in wide_rows],
-                                         [int(n) for n in wide_channels])
+    if use_kernels(x, fmt) if kernel is None else kernel:
+        blocks, chunk, wide_rows, wide_channels = _kernel_layout(fmt)
+        kernel_op("quantize_pack_at")(x, float(fmt.clip), codes, meta, start, blocks, chunk, int(ring), wide_rows,
+                                      wide_channels)
     else:
-        quantize_pack_at_reference(x, clip_ratio, codes, meta, start, key_blocks, key_chunk, ring, wide_rows,
-                                   wide_channels)
+        quantize_pack_at_reference(x, codes, meta, start, fmt, ring)
 
 
 # ------------------------------------------------------------------------------------------ segment_attention
+@dataclass
+class Segments:
+    """What a chunk of queries attends to, rotated, at positions 0, 1, ... in this order:
+    [sink | history | recent | extra]. sink/recent/extra: `[B, H, n, d]`; history: `Packed` keys and values."""
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    history_keys: Packed
+    history_values: Packed
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    extra_keys: torch.Tensor
+    extra_values: torch.Tensor
+
+    @property
+    def lengths(self) -> tuple[int, int, int, int]:
+        return (self.sink_keys.shape[2], self.history_keys.length, self.recent_keys.shape[2],
+                self.extra_keys.shape[2])
+
+
 def segment_attention_reference(
-    q: torch.Tensor,
-    sink_k: torch.Tensor, sink_v: torch.Tensor,
-    hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
-    recent_k: torch.Tensor, recent_v: torch.Tensor,
-    extra_k: torch.Tensor, extra_v: torch.Tensor,
-    key_mask: torch.Tensor | None,
-    n_sink: int, n_hist: int, n_recent: int, n_extra: int,
-    queries_per_group: int, query_start: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0,
-    wide_rows: list[int] = (), wide_channels: list[int] = (), row_block: int = 1024, emulate_bf16: bool = False,
+    q: torch.Tensor, seg: Segments, key_mask: torch.Tensor | None, queries_per_group: int, query_start: int,
+    scale: float, row_block: int = 1024, emulate_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of grouped query rows over [sink | INT2 history | recent | extra] (all rotated).
+    """Attention of grouped query rows over `seg`.
 
     Args:
-        q: `[B, H, M, d]`, row r = g·T + t of KV head h is query head h·G + g at position `query_start + t`
+        q: `[B, H, M, d]` rotated, row r = g·T + t of KV head h is query head h·G + g at position `query_start + t`
             (T = `queries_per_group`).
-        sink_k/v, recent_k/v, extra_k/v: `[B, H, ≥n, d]`, the first n_sink / n_recent / n_extra rows valid.
-        hist_codes_k/v: `[B, H, ≥n_hist, d/4]` uint8 (2-bit planar), hist_meta_v: `[B, H, ≥n_hist, G, 2]` (token-wise);
-            hist_meta_k the same, or, when `key_chunk` > 0, channel-wise keys `[B, ≥n_hist/key_chunk, R, d, 2]`: KV
-            head h over blocks of `key_blocks[h]` tokens in chunks of `key_chunk` (`quant.KeyBlockLayout`; n_hist a
-            multiple of the chunk). `wide_rows` (`quant.wide_rows`): wide heads' low planes in both codes tensors
-            (`[B, H + U, ...]`). `wide_channels` (channel-wise keys): each KV head's wide key channels
-            (`quant.quantize_wide_channels`; empty: none).
-        key_mask: `[B, n_sink + n_hist + n_recent + n_extra]` bool (True = attend) or None. Causality comes from
-            positions: sink at 0, history after it, then recent, then extra.
+        key_mask: `[B, N]` bool over the N positions of `seg` (True = attend), or None. Causality comes from
+            positions: query row r sees keys at positions <= its own.
         emulate_bf16: round the probabilities to bfloat16 before they weigh the values, as the kernel's tensor-core
             dots do; tests use it to scale their tolerance by the error of a reference at the kernel's precision.
     Returns:
         `(out [B, H, M, d] in q.dtype, lse [B, H, M] float32)`; rows with no visible key give 0 and -inf.
     """
-    d, wide = q.shape[-1], tuple(wide_rows)
-    if key_chunk:
-        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k[:, :, :n_hist], hist_meta_k[:, : -(-n_hist // key_chunk)],
-                                                          2, KeyBlockLayout(tuple(key_blocks), key_chunk), wide,
-                                                          tuple(wide_channels)))
-    else:
-        hist_k = dequantize_rows(QuantizedRows(hist_codes_k[:, :, :n_hist], hist_meta_k[:, :, :n_hist], 2,
-                                               d // hist_meta_k.shape[3], wide))
-    hist_v = dequantize_rows(QuantizedRows(hist_codes_v[:, :, :n_hist], hist_meta_v[:, :, :n_hist], 2,
-                                           d // hist_meta_v.shape[3], wide))
-    keys = torch.cat([sink_k[:, :, :n_sink].float(), hist_k, recent_k[:, :, :n_recent].float(), extra_k[:, :, :n_extra].float()], 2)
-    values = torch.cat([sink_v[:, :, :n_sink].float(), hist_v, recent_v[:, :, :n_recent].float(), extra_v[:, :, :n_extra].float()], 2)
-    n = keys.shape[2]
-    m = q.shape[2]
+    keys = torch.cat([seg.sink_keys.float(), dequantize(seg.history_keys), seg.recent_keys.float(),
+                      seg.extra_keys.float()], 2)
+    values = torch.cat([seg.sink_values.float(), dequantize(seg.history_values), seg.recent_values.float(),
+                        seg.extra_values.float()], 2)
+    n, m = keys.shape[2], q.shape[2]
     kpos = torch.arange(n, device=q.device)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -244,71 +221,73 @@ def segment_attention_reference(
     return out.to(q.dtype), lse
 
 
-def segment_attention(
-    q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-    key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(), key_chunk=0,
-    wide_rows=(), wide_channels=(),
-):
+def segment_attention(q, seg: Segments, fmt: LayerFormat, key_mask, queries_per_group: int, query_start: int,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`segment_attention_reference`'s contract, on the Triton kernel where it applies."""
-    key_blocks = [int(b) for b in key_blocks] if key_chunk else []
-    args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
-            key_mask, int(n_sink), int(n_hist), int(n_recent), int(n_extra), int(queries_per_group), int(query_start),
-            float(scale), key_blocks, int(key_chunk), [int(r) for r in wide_rows],
-            [int(n) for n in wide_channels] if key_chunk else [])
-    problem = attention_layout_problem(q.shape[-1], hist_meta_v.shape[3], 0 if key_chunk else hist_meta_k.shape[3],
-                                       key_blocks, bool(wide_rows))
-    if use_kernels(q, problem):
-        return kernel_op("segment_attention")(*args)
-    return segment_attention_reference(*args)
+    if not use_kernels(q, fmt):
+        return segment_attention_reference(q, seg, key_mask, queries_per_group, query_start, scale)
+    blocks, chunk, wide_rows, wide_channels = _kernel_layout(fmt.keys)
+    hk, hv = seg.history_keys, seg.history_values
+    n_sink, n_hist, n_recent, n_extra = seg.lengths
+    return kernel_op("segment_attention")(
+        q, seg.sink_keys, seg.sink_values, hk.codes, hk.meta, hv.codes, hv.meta, seg.recent_keys, seg.recent_values,
+        seg.extra_keys, seg.extra_values, key_mask, n_sink, n_hist, n_recent, n_extra, int(queries_per_group),
+        int(query_start), float(scale), blocks, chunk, wide_rows, wide_channels)
 
 
 # ------------------------------------------------------------------------------------------ decode_attention
+@dataclass
+class DecodeBuffers:
+    """A layer's whole buffers as a decode step reads them: sink `[B, H, S, d]` (positions [0, n_sink)), the
+    history streams' `codes` / `meta` (capacity C rows, row j = position S + j), and the ring `[B, H, R, d]`
+    (position S + n_hist + i at slot (ring_lo + i) mod R)."""
+
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    key_codes: torch.Tensor
+    key_meta: torch.Tensor | None
+    value_codes: torch.Tensor
+    value_meta: torch.Tensor | None
+    ring_keys: torch.Tensor
+    ring_values: torch.Tensor
+
+
 def decode_attention_reference(
-    q: torch.Tensor,
-    sink_k: torch.Tensor, sink_v: torch.Tensor,
-    hist_codes_k: torch.Tensor, hist_meta_k: torch.Tensor, hist_codes_v: torch.Tensor, hist_meta_v: torch.Tensor,
-    ring_k: torch.Tensor, ring_v: torch.Tensor,
-    key_mask: torch.Tensor | None, lengths: torch.Tensor,
-    queries_per_group: int, scale: float, key_blocks: list[int] = (), key_chunk: int = 0, wide_rows: list[int] = (),
-    wide_channels: list[int] = (), value_rotation: torch.Tensor | None = None,
+    q: torch.Tensor, buffers: DecodeBuffers, fmt: LayerFormat, key_mask: torch.Tensor | None, lengths: torch.Tensor,
+    queries_per_group: int, scale: float, value_rotation: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of grouped query rows over a static cache's fixed buffers, with the lengths on the device (no host
-    synchronisation, fixed shapes: what a CUDA graph can replay).
+    """Attention of grouped query rows over one layer's fixed buffers with the lengths on the device (no host
+    synchronisation under torch.compile, fixed shapes: what a CUDA graph can replay).
 
     Args:
         q: `[B, H, M, d]` rotated queries, row r = g·T + t (as in `segment_attention_reference`).
-        sink_k/v: `[B, H, S, d]`: positions [0, n_sink).
-        hist_codes_k/v, hist_meta_k/v: the whole history buffers (capacity C rows, a whole number of chunks for
-            channel-wise keys, laid out as in `segment_attention_reference`): rows [0, n_hist) hold positions S + j.
-        ring_k/v: `[B, H, R, d]`: the recent positions [S + n_hist, S + n_hist + n_recent), position S + n_hist + i at
-            slot (ring_lo + i) mod R.
         key_mask: `[B, N]` bool over positions, or None.
-        lengths: int32 `[5]` on q's device: (n_sink, n_hist, n_recent, ring_lo, q_start); query row r is at position
-            q_start + (r mod T) and sees positions <= its own.
+        lengths: int32 `[5]` on q's device: (n_sink, n_hist, n_recent, ring_lo, q_start) (`positions.PositionPlan`);
+            query row r is at position q_start + (r mod T) and sees positions <= its own.
         value_rotation: `[H, d, d]` R_V, or None: the output is un-rotated (·R_Vᵀ, in float32) before its rounding to
             q.dtype.
-        wide_rows: wide heads' low planes in both codes tensors (`quant.wide_rows`).
-        wide_channels: each KV head's wide key channels (channel-wise keys; `quant.quantize_wide_channels`).
     Returns:
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
+    b = buffers
+    capacity = b.key_codes.shape[2]
+    if not torch.compiler.is_compiling() and not q.is_cuda:  # the CPU reads its lengths for free: skip empty rows
+        capacity = min(capacity, -(-int(lengths[1]) // fmt.keys.chunk) * fmt.keys.chunk)
+    hist = [dequantize(Packed(codes[:, :, :capacity], None if meta is None else
+                              meta[:, : capacity // stream.chunk] if stream.channelwise else meta[:, :, :capacity],
+                              stream))
+            for codes, meta, stream in ((b.key_codes, b.key_meta, fmt.keys), (b.value_codes, b.value_meta, fmt.values))]
     n_sink, n_hist, n_recent, ring_lo, q_start = lengths.long().unbind()
-    s, r, d = sink_k.shape[2], ring_k.shape[2], q.shape[-1]
-    device, wide = q.device, tuple(wide_rows)
-    if key_chunk:
-        hist_k = dequantize_key_chunks(QuantizedKeyChunks(hist_codes_k, hist_meta_k, 2, KeyBlockLayout(tuple(key_blocks), key_chunk),
-                                                          wide, tuple(wide_channels)))
-    else:
-        hist_k = dequantize_rows(QuantizedRows(hist_codes_k, hist_meta_k, 2, d // hist_meta_k.shape[3], wide))
-    hist_v = dequantize_rows(QuantizedRows(hist_codes_v, hist_meta_v, 2, d // hist_meta_v.shape[3], wide))
+    s, r = b.sink_keys.shape[2], b.ring_keys.shape[2]
+    device = q.device
     slot = torch.arange(r, device=device)
     ring_offset = (slot - ring_lo) % r  # recent token index held by each ring slot
     sink_pos = torch.arange(s, device=device)
-    hist_pos = s + torch.arange(hist_k.shape[2], device=device)
+    hist_pos = s + torch.arange(capacity, device=device)
     positions = torch.cat([sink_pos, hist_pos, s + n_hist + ring_offset])
     stored = torch.cat([sink_pos < n_sink, hist_pos - s < n_hist, ring_offset < n_recent])
-    keys = torch.cat([sink_k.float(), hist_k, ring_k.float()], 2)
-    values = torch.cat([sink_v.float(), hist_v, ring_v.float()], 2)
+    keys = torch.cat([b.sink_keys.float(), hist[0], b.ring_keys.float()], 2)
+    values = torch.cat([b.sink_values.float(), hist[1], b.ring_values.float()], 2)
     values = torch.where(stored[None, None, :, None], values, 0.0)  # unwritten slots may hold anything
     m = q.shape[2]
     qpos = q_start + torch.arange(m, device=device) % queries_per_group
@@ -327,17 +306,18 @@ def decode_attention_reference(
     return out.to(q.dtype)
 
 
-def decode_attention(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask,
-                     lengths, queries_per_group, scale, key_blocks=(), key_chunk=0, wide_rows=(), wide_channels=(),
-                     value_rotation=None, kernel: bool = False):
+def decode_attention(q, buffers: DecodeBuffers, fmt: LayerFormat, key_mask, lengths, queries_per_group: int,
+                     scale: float, value_rotation=None, kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
     selects the Triton kernel `oscar::decode_attention`."""
-    args = (q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
-            int(queries_per_group), float(scale), [int(b) for b in key_blocks] if key_chunk else [], int(key_chunk),
-            [int(r) for r in wide_rows], [int(n) for n in wide_channels] if key_chunk else [], value_rotation)
-    if kernel:
-        return kernel_op("decode_attention")(*args)
-    return decode_attention_reference(*args)
+    if not kernel:
+        return decode_attention_reference(q, buffers, fmt, key_mask, lengths, queries_per_group, scale, value_rotation)
+    blocks, chunk, wide_rows, wide_channels = _kernel_layout(fmt.keys)
+    b = buffers
+    return kernel_op("decode_attention")(
+        q, b.sink_keys, b.sink_values, b.key_codes, b.key_meta, b.value_codes, b.value_meta, b.ring_keys,
+        b.ring_values, key_mask, lengths, int(queries_per_group), float(scale), blocks, chunk, wide_rows,
+        wide_channels, value_rotation)
 
 
 # ------------------------------------------------------------------------------------------ rotate_store_token
@@ -346,7 +326,7 @@ def rotate_store_token_reference(
     sink_k: torch.Tensor, sink_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, position: torch.Tensor,
     sink_tokens: int, ring: int,
 ) -> torch.Tensor:
-    """A static cache's decode-step store: one token's key and value rotated and written to its slot, branch-free.
+    """A decode step's store: one token's key and value rotated and written to its slot, branch-free.
 
     Args:
         keys, values: `[B, H, 1, d]` (keys already centered, if the cache centers them).
@@ -358,8 +338,6 @@ def rotate_store_token_reference(
     Returns:
         `[2, B, H, 1, d]`: the rotated key and value (for the history's quantizer).
     """
-    from .rotation import rotate
-
     rk, rv = rotate(keys, key_rotation), rotate(values, value_rotation)
     in_sink = position < sink_tokens
     sink_slot = torch.where(in_sink, position, sink_tokens).reshape(1)

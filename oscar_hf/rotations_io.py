@@ -46,7 +46,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import OscarConfig
+from .config import KEY_BLOCK_ALLOCATIONS, OscarConfig
+from .format import WIDE_BITS, check_head_layout
 from .models import ModelGeometry, model_geometry, text_config
 from .rotation import build_rotation, orthogonality_error
 
@@ -56,6 +57,8 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # what format 1 and 2 files were calibrated for
 LEGACY_LAYOUT = {"key_granularity": "token", "demotion_block": 8, "key_block": 8, "key_block_allocation": "uniform"}
 LAYOUT_FIELDS = ("key_granularity", "demotion_block", "key_block", "key_block_allocation")
+# the layout a file without one was calibrated for: the default storage layout, with a fitted block allocation
+DEFAULT_LAYOUT = {"key_granularity": "channel", "demotion_block": 128, "key_block": 64, "key_block_allocation": "fitted"}
 WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_rotations.json"
 ROTATIONS_SUBFOLDER = "oscar"  # where rotations sit inside a model folder or repo
@@ -106,13 +109,14 @@ class OscarRotations:
         key_wide_channels: dict[int, Any] | None = None,
     ):
         self.geometry = dict(geometry)
-        default = OscarConfig()
         layout = dict(layout or {})
         if "demotion_block" in layout and "key_block" not in layout:  # a layout of one key block (format 3)
             layout = {"key_block": layout["demotion_block"], "key_block_allocation": "uniform"} | layout
-        self.layout = {name: getattr(default, name) for name in LAYOUT_FIELDS} | layout
+        self.layout = dict(DEFAULT_LAYOUT) | layout
         try:
-            OscarConfig(**self.layout)
+            if self.layout["key_block_allocation"] not in KEY_BLOCK_ALLOCATIONS:
+                raise ValueError(f"key_block_allocation must be one of {KEY_BLOCK_ALLOCATIONS}")
+            OscarConfig(**{k: v for k, v in self.layout.items() if k != "key_block_allocation"})
         except (TypeError, ValueError) as e:
             raise RotationFileError(f"rotation layout {self.layout} is not valid: {e}") from None
         self.key_rotations = {int(k): v.float().contiguous() for k, v in key_rotations.items()}
@@ -168,8 +172,6 @@ class OscarRotations:
     @property
     def wide_heads(self) -> list[tuple[int, int]]:
         """The (layer, KV head) pairs stored at `quant.WIDE_BITS`."""
-        from .quant import WIDE_BITS
-
         return [(layer, h) for layer, bits in sorted((self.head_bits or {}).items()) for h, b in enumerate(bits)
                 if b == WIDE_BITS]
 
@@ -249,40 +251,21 @@ class OscarRotations:
                     )
                 if not torch.isfinite(mean).all():
                     raise RotationFileError(f"layers.{layer}.key_mean contains NaN or Inf")
-        if self.key_blocks is not None:
-            if set(self.key_blocks) != set(self.key_rotations):
-                raise RotationFileError(f"key blocks cover layers {sorted(self.key_blocks)}, rotations cover {self.layers}")
-            chunk = int(self.layout["demotion_block"])
-            for layer, blocks in self.key_blocks.items():
-                if len(blocks) != h or any(b < 1 or chunk % b for b in blocks):
-                    raise RotationFileError(
-                        f"key_blocks of layer {layer} are {list(blocks)}: expected {h} blocks (num_key_value_heads) "
-                        f"that divide the layout's demotion_block {chunk}")
-        if self.head_bits is not None:
-            from .quant import WIDE_BITS
-
-            if set(self.head_bits) != set(self.key_rotations):
-                raise RotationFileError(f"head bits cover layers {sorted(self.head_bits)}, rotations cover {self.layers}")
-            for layer, bits in self.head_bits.items():
-                if len(bits) != h or any(b not in (2, WIDE_BITS) for b in bits):
-                    raise RotationFileError(f"head_bits of layer {layer} are {list(bits)}: expected {h} values "
-                                            f"(num_key_value_heads), each 2 or {WIDE_BITS}")
-            if not OscarConfig(**self.layout).wide_layout:
-                raise RotationFileError(f"head_bits need a layout with channel-wise 2-bit keys, got {self.layout}")
-        if self.key_wide_channels is not None:
-            from .quant import WIDE_BITS
-
-            if set(self.key_wide_channels) != set(self.key_rotations):
-                raise RotationFileError(f"key wide channels cover layers {sorted(self.key_wide_channels)}, "
-                                        f"rotations cover {self.layers}")
-            for layer, counts in self.key_wide_channels.items():
-                wide = [b == WIDE_BITS for b in (self.head_bits or {}).get(layer, (2,) * h)]
-                if len(counts) != h or any(not 0 <= n <= d // 2 or (n and w) for n, w in zip(counts, wide)):
-                    raise RotationFileError(
-                        f"key_wide_channels of layer {layer} are {list(counts)}: expected {h} counts "
-                        f"(num_key_value_heads) in [0, {d // 2}] (head_dim / 2), 0 for the wide heads")
-            if OscarConfig(**self.layout).key_granularity != "channel":
-                raise RotationFileError(f"key_wide_channels need a layout with channel-wise keys, got {self.layout}")
+        chunk = int(self.layout["demotion_block"])
+        for name, table in (("key_blocks", self.key_blocks), ("head_bits", self.head_bits),
+                            ("key_wide_channels", self.key_wide_channels)):
+            if table is not None and set(table) != set(self.key_rotations):
+                raise RotationFileError(f"{name} cover layers {sorted(table)}, rotations cover {self.layers}")
+        for layer in self.layers:
+            try:
+                check_head_layout(h, d, chunk, self.key_block(layer), self.head_bit(layer), self.key_wide_channel(layer))
+            except ValueError as e:
+                raise RotationFileError(f"layer {layer}: {e}") from None
+        layout = OscarConfig(**{k: v for k, v in self.layout.items() if k != "key_block_allocation"})
+        if self.head_bits is not None and not layout.wide_layout:
+            raise RotationFileError(f"head_bits need a layout with channel-wise 2-bit keys, got {self.layout}")
+        if self.key_wide_channels is not None and layout.key_granularity != "channel":
+            raise RotationFileError(f"key_wide_channels need a layout with channel-wise keys, got {self.layout}")
         for name, clips in (("key", self.key_clips), ("value", self.value_clips)):
             if clips is None:
                 continue
@@ -407,37 +390,56 @@ class OscarRotations:
         return rotations
 
     def check_fingerprint(self, model, strict: bool = True) -> None:
-        """Checks that these rotations were calibrated on `model`'s weights, not just on its shapes.
+        """Checks that these rotations belong to `model`: its geometry first (`validate_for`: a file for another
+        architecture or size is named as such), then its weights (`weight_fingerprint`).
 
-        Raises `RotationFileError` naming both fingerprints on a mismatch (`strict=False`: a warning instead). A file
-        without a fingerprint (older oscar-hf, or `calibrate()` output saved without one) loads with a one-time
-        warning; data-free rotations need no fingerprint.
+        What the fingerprint promises: the same checkpoint passes in any float dtype (float32, bfloat16, float16), on
+        any device, whole or tensor-parallel; weights that differ in any decoder layer's attention tensors (q/k/v
+        projections, their biases and norms) fail: a tensor rescaled by 0.1% or more, or changed by about 2% of its
+        RMS or more (another fine-tune, a random init). MLP and embedding weights are not looked at; changes below
+        those sizes are within what float16/bfloat16 rounding does to one checkpoint.
+
+        A mismatch raises `RotationFileError` naming the first tensor that differs (`strict=False`: a warning
+        instead, and that model is accepted from then on). Files written before the fingerprint covered every layer
+        record only the sign bits of the first and last layers' q/k weights: those are still verified, with that
+        weaker check. A file without a fingerprint (older oscar-hf, or `calibrate()` output saved without one)
+        loads with a one-time warning; data-free rotations need none. The model's side is computed once per model
+        and weight state (see `weight_fingerprint`), so building many caches costs nothing more.
         """
+        self.validate_for(getattr(model, "config", model))
         recorded = self.metadata.get(FINGERPRINT_KEY)
         if recorded is None:
             if not self.metadata.get("method", {}).get("data_free"):
                 _warn_once(
                     "rotation file records no weight fingerprint, so it cannot be checked against the model's weights "
-                    "(recalibrate with `oscar-hf calibrate`, or set rotations.metadata['weight_fingerprint'] = "
-                    "weight_fingerprint(model) before saving)"
+                    "(an older oscar-hf, `calibrate()` output saved without one, or weights that could not be read: "
+                    "quantized or offloaded); recalibrate with `oscar-hf calibrate`, or set "
+                    "rotations.metadata['weight_fingerprint'] = weight_fingerprint(model) before saving"
                 )
             return
-        mine = recorded.get("sha256") if isinstance(recorded, dict) else None
-        if not isinstance(mine, str):
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("sketch", recorded.get("sha256")), (dict, str)):
             raise RotationFileError(f"rotation metadata field {FINGERPRINT_KEY!r} is malformed: {recorded!r:.120}")
-        theirs = weight_fingerprint(model)
-        if theirs is None or theirs["sha256"] in (mine, getattr(self, "_accepted_weights", None)):
-            return  # nothing to compare (quantized or offloaded weights), the same weights, or accepted before
+        if _accepted(self, model):
+            return  # accepted before (allow_other_weights): later checks stay quiet
+        if "sketch" in recorded:
+            problem = _compare_sketches(recorded["sketch"], _weight_sketch(model, copy_result=False))
+        else:  # a file written before the sketch: the sign bits of the first and last layers' q/k weights
+            theirs = _legacy_sign_fingerprint(model)
+            mine = recorded["sha256"]
+            problem = None if theirs is None or theirs["sha256"] == mine else (
+                f"weight fingerprint {mine[:16]} in the rotation file, {theirs['sha256'][:16]} for the model (this "
+                "file's fingerprint holds only the signs of the first and last layers' q/k weights)")
+        if problem is None:
+            return
         name = getattr(getattr(model, "config", model), "_name_or_path", None) or type(model).__name__
         message = (
-            f"rotations were calibrated on other weights than {name!r}: weight fingerprint {mine[:16]} in the "
-            f"rotation file, {theirs['sha256'][:16]} for the model (same shapes, different values; recalibrate, or "
-            "pass allow_other_weights=True / --allow-other-weights to use them anyway)"
+            f"rotations were calibrated on other weights than {name!r} (same architecture and shapes): {problem}; "
+            "recalibrate, or pass allow_other_weights=True / --allow-other-weights to use them anyway"
         )
         if strict:
             raise RotationFileError(message)
         warnings.warn(message, stacklevel=2)
-        self._accepted_weights = theirs["sha256"]  # accepted once (allow_other_weights): later checks stay quiet
+        _accepted(self, model, add=True)
 
     @classmethod
     def _load(cls, weights_path: Path, config_path: Path) -> "OscarRotations":
@@ -559,14 +561,234 @@ def is_local_path(spec: str) -> bool:
     return Path(spec).exists() or (str(parent) != "." and parent.is_dir())
 
 
-def weight_fingerprint(model) -> dict[str, Any] | None:
-    """A fingerprint of the weights rotations are calibrated on: sha256 over the sign bits (and shapes) of the
-    q_proj/k_proj (GPT-2: c_attn) weights of the first and last layer, taken in float32 on the CPU.
+FINGERPRINT_SAMPLE = 65536  # elements of a tensor the sketch reads: all of a smaller one, else FINGERPRINT_BLOCKS evenly
+FINGERPRINT_BLOCKS = 64  # spaced runs of contiguous elements (cache-friendly: a strided sample costs 5x more)
+FINGERPRINT_PROJECTIONS = 8  # random +-1 projections per tensor
+# The same weights in any float dtype agree within these, as fractions of the tensor's RMS: its RMS to 1e-3 (a
+# rescaling of 0.1% is caught), its projections to 2e-2 (float16 loads of a float32 checkpoint round about one element
+# in 16 to another bfloat16 neighbour, which moves a projection by about 2e-3; a random change of the weights by 2% of
+# their RMS moves it as much as that)
+FINGERPRINT_TOLERANCE = {"rms": 1e-3, "projections": 2e-2}
+FINGERPRINT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SKETCH_METHOD = (f"every decoder layer's attention tensors (output projection excluded), each rounded to bfloat16: "
+                 f"RMS and {FINGERPRINT_PROJECTIONS} random +-1 projections (seed 0) / sqrt(n) of its elements, or of "
+                 f"{FINGERPRINT_BLOCKS} evenly spaced runs of {FINGERPRINT_SAMPLE // FINGERPRINT_BLOCKS} elements")
+LEGACY_METHOD = "sign bits of q_proj/k_proj (or c_attn) weights, first and last layer"
 
-    Sign bits survive every float cast, so bf16, fp16 and fp32 loads of one checkpoint agree, while other weights of
-    the same shapes (another fine-tune, a random init) differ. `None` when there is nothing to hash (no such weights,
-    weights on the meta device or stored as integers).
+
+def weight_fingerprint(model) -> dict[str, Any] | None:
+    """A fingerprint of the weights rotations are calibrated on, recorded in the rotation file and compared by
+    `OscarRotations.check_fingerprint` (which says what it promises: the same checkpoint in any float dtype passes,
+    other attention weights fail).
+
+    `{"sketch": {...}, "sha256": ..., "method": ..., "layers": [...]}`:
+    - `sketch`: for every attention tensor of every decoder layer of the language model (`models.decoder_attention`:
+      q/k/v projections or the fused qkv, biases, q/k norms; not the output projection, and never a vision tower's
+      layers), rounded to bfloat16 (so that float32, bfloat16 and float16 loads of one checkpoint give the same
+      numbers, or close ones): its RMS and 8 fixed random +-1 projections of its elements (of 64 evenly spaced runs
+      of 1,024 in a larger tensor), in the RMS's units. Two sketches agree when each RMS is within 1e-3 of itself and
+      the projections within 2e-2 of the RMS (`FINGERPRINT_TOLERANCE`).
+    - `sha256`/`method`/`layers`: the fingerprint of oscar-hf before the sketch (sign bits of the first and last
+      layers' q/k weights), kept so that those versions still verify a new file; absent when there is none to take
+      (e.g. GPT-NeoX's fused query_key_value).
+
+    `None` when there is nothing to read (weights on the meta device, offloaded, or stored as integers); float8
+    weights get only the sign-bit part.
+
+    Cost: each part is computed once per model and kept (in a weak-keyed memo: it goes with the model) until any
+    tensor it read changes: another tensor object, an in-place write (the tensor's version counter), `.data`
+    replaced (its storage). So the caches built for one model do not recompute it (the first costs about 30 ms at
+    Qwen3-8B size on one CPU thread; each later one a few ms to walk the attention modules and compare), and
+    on a GPU it is computed there, with one small copy per device to the host.
     """
+    sketch = _weight_sketch(model)
+    fingerprint: dict[str, Any] = {"sketch": sketch} if sketch is not None else {}
+    fingerprint.update(_legacy_sign_fingerprint(model) or {})
+    return fingerprint or None
+
+
+_ACCEPTED = None  # WeakKeyDictionary: rotations -> WeakSet of the models accepted with other weights
+
+
+def _accepted(rotations, model, add: bool = False) -> bool:
+    """Whether `model` was accepted for `rotations` despite other weights (`allow_other_weights`); `add` records it."""
+    global _ACCEPTED
+    import weakref
+
+    if _ACCEPTED is None:
+        _ACCEPTED = weakref.WeakKeyDictionary()
+    try:
+        models = _ACCEPTED.setdefault(rotations, weakref.WeakSet())
+        if add:
+            models.add(model)
+        return model in models
+    except TypeError:  # not weak-referenceable
+        return False
+
+
+def fingerprint_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """`[("layers.{i}.{name in the attention module}", tensor)]`: what the sketch reads (see `weight_fingerprint`)."""
+    from .models import OUTPUT_PROJECTIONS, decoder_attention
+
+    tensors = []
+    for layer, (_, module) in decoder_attention(model).items():
+        for name, param in module.named_parameters():
+            if name.split(".")[0] not in OUTPUT_PROJECTIONS:
+                tensors.append((f"layers.{layer}.{name}", param))
+    return tensors
+
+
+_SKETCHES = None  # WeakKeyDictionary: model -> (state of its fingerprinted tensors, sketch)
+
+
+def _tensor_state(tensors) -> list:
+    import weakref
+
+    def pointer(t):
+        try:
+            return (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
+        except (RuntimeError, AttributeError):
+            return None
+
+    def version(t):
+        try:
+            return t._version
+        except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
+            return None
+
+    return [(name, weakref.ref(t), version(t), pointer(t), t.dtype, str(t.device)) for name, t in tensors]
+
+
+def _same_state(a, b) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and x[1]() is y[1]() is not None and x[2:] == y[2:]
+                                    for x, y in zip(a, b))
+
+
+def _weight_sketch(model, copy_result: bool = True) -> dict[str, Any] | None:
+    """The `sketch` of `weight_fingerprint`, memoised per model and weight state (a copy unless `copy_result` is
+    False: the caller only reads it)."""
+    global _SKETCHES
+    import copy
+    import weakref
+
+    if _SKETCHES is None:
+        _SKETCHES = weakref.WeakKeyDictionary()
+    tensors = fingerprint_tensors(model)
+    state = _tensor_state(tensors)
+    try:
+        cached = _SKETCHES.get(model)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is not None and _same_state(cached[0], state):
+        sketch = cached[1]
+    else:
+        sketch = _compute_sketch(tensors)
+        try:
+            _SKETCHES[model] = (state, sketch)
+        except TypeError:
+            pass
+    return copy.deepcopy(sketch) if copy_result else sketch
+
+
+_PROJECTIONS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _projections(n: int, device) -> torch.Tensor:
+    """`[FINGERPRINT_PROJECTIONS, n]` fixed random +-1 (float32) on `device`."""
+    key = (n, str(device))
+    if key not in _PROJECTIONS:
+        signs = torch.randint(0, 2, (FINGERPRINT_PROJECTIONS, n), generator=torch.Generator().manual_seed(0))
+        _PROJECTIONS[key] = (signs * 2 - 1).float().to(device)
+    return _PROJECTIONS[key]
+
+
+def _compute_sketch(tensors) -> dict[str, Any] | None:
+    if not tensors:
+        return None
+    rows, shapes = [], []
+    for name, param in tensors:
+        if param.device.type == "meta" or param.dtype not in FINGERPRINT_DTYPES:
+            return None
+        if hasattr(param, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, as calibrated
+            param = param.full_tensor()
+        sample = _sample(param.detach().reshape(-1)).to(torch.bfloat16).float()
+        n = sample.numel()
+        rms = sample.square().mean().sqrt() if n else sample.new_zeros(())
+        proj = _projections(n, sample.device) @ sample / max(n, 1) ** 0.5
+        rows.append(torch.cat([rms.reshape(1), proj]))
+        shapes.append(list(param.shape))
+    values = torch.stack([r.to("cpu", non_blocking=False) for r in rows]).tolist()  # one copy per tensor's device
+    return {
+        "method": SKETCH_METHOD,
+        "tolerance": FINGERPRINT_TOLERANCE,
+        "tensors": {name: {"shape": shape, "values": [float(f"{v:.8g}") for v in row]}
+                    for (name, _), shape, row in zip(tensors, shapes, values)},
+    }
+
+
+def _sample(flat: torch.Tensor) -> torch.Tensor:
+    """`FINGERPRINT_SAMPLE` elements of a flat tensor: all of them, or `FINGERPRINT_BLOCKS` evenly spaced runs."""
+    if flat.numel() <= FINGERPRINT_SAMPLE:
+        return flat
+    run = FINGERPRINT_SAMPLE // FINGERPRINT_BLOCKS
+    spacing = (flat.numel() - run) // (FINGERPRINT_BLOCKS - 1)
+    return flat.as_strided((FINGERPRINT_BLOCKS, run), (spacing, 1), flat.storage_offset()).reshape(-1)
+
+
+def _compare_sketches(recorded, mine) -> str | None:
+    """`None` when the sketches agree, else what differs, in words."""
+    if mine is None:
+        return None  # nothing to compare (quantized or offloaded weights)
+    theirs = recorded.get("tensors") if isinstance(recorded, dict) else None
+    if not isinstance(theirs, dict):
+        raise RotationFileError(f"rotation metadata field {FINGERPRINT_KEY!r} has a malformed sketch: {recorded!r:.120}")
+    tolerance = recorded.get("tolerance", FINGERPRINT_TOLERANCE)
+    if not isinstance(tolerance, dict) or not all(isinstance(tolerance.get(k), (int, float)) for k in FINGERPRINT_TOLERANCE):
+        raise RotationFileError(f"rotation metadata field {FINGERPRINT_KEY!r} has a malformed sketch tolerance: {tolerance!r}")
+    ours = mine["tensors"]
+    if set(theirs) != set(ours):
+        only_file, only_model = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+        return ("the fingerprinted attention tensors differ: "
+                + "; ".join(part for part in (f"only in the rotation file: {', '.join(only_file[:3])}" if only_file else "",
+                                              f"only in the model: {', '.join(only_model[:3])}" if only_model else "")
+                            if part))
+    differing = []
+    for name in sorted(theirs, key=_layer_order):
+        a, b = theirs[name], ours[name]
+        if list(a.get("shape", [])) != b["shape"]:
+            differing.append(f"{name} has shape {a.get('shape')} in the rotation file, {b['shape']} in the model")
+            continue
+        va, vb = a["values"], b["values"]
+        scale = max(abs(va[0]), abs(vb[0]), 1e-30)
+        rms = abs(va[0] - vb[0]) / scale
+        projections = max((abs(x - y) for x, y in zip(va[1:], vb[1:])), default=0.0) / scale
+        if rms > tolerance["rms"]:
+            differing.append(f"{name} differs: RMS {va[0]:.6g} in the rotation file, {vb[0]:.6g} in the model "
+                             f"({rms:.1e} apart; the same weights in any float dtype agree within {tolerance['rms']:g})")
+        elif projections > tolerance["projections"]:
+            differing.append(f"{name} differs: its random projections are {projections:.1e} of its RMS apart (the same "
+                             f"weights in any float dtype agree within {tolerance['projections']:g})")
+    if not differing:
+        return None
+    more = f"; so do {len(differing) - 1} more of the {len(theirs)} attention tensors" if len(differing) > 1 else ""
+    return differing[0] + more
+
+
+def _layer_order(name: str):
+    parts = name.split(".")
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1, name)
+
+
+def _legacy_sign_fingerprint(model) -> dict[str, Any] | None:
+    """The fingerprint of oscar-hf before the sketch (kept unchanged, so that its files still verify): sha256 over
+    the sign bits (and shapes) of the q_proj/k_proj (GPT-2: c_attn) weights of the first and last layer, taken in
+    float32 on the CPU. Sign bits survive every float cast, but it sees nothing else: weights that differ slightly in
+    value, or in any other layer, pass it."""
+    global _LEGACY
+    import weakref
+
+    if _LEGACY is None:
+        _LEGACY = weakref.WeakKeyDictionary()
     found = []
     for name, param in model.named_parameters():
         match = re.search(r"\.(\d+)\.(?:.*\.)?(q_proj|k_proj|c_attn)\.weight$", name)  # c_attn: GPT-2's fused qkv
@@ -574,22 +796,35 @@ def weight_fingerprint(model) -> dict[str, Any] | None:
             found.append((int(match.group(1)), match.group(2), param))
     if not found:
         return None
+    state = _tensor_state([(f"{layer}.{which}", p) for layer, which, p in found])
+    try:
+        cached = _LEGACY.get(model)
+    except TypeError:
+        cached = None
+    if cached is not None and _same_state(cached[0], state):
+        return dict(cached[1]) if cached[1] is not None else None
     ends = (min(f[0] for f in found), max(f[0] for f in found))
     chosen = sorted((f for f in found if f[0] in ends), key=lambda f: (f[0], f[1]))
     digest = hashlib.sha256()
+    result = None
     for layer, which, param in chosen:
         if param.device.type == "meta" or not param.dtype.is_floating_point:
-            return None
+            break
         if hasattr(param, "full_tensor"):  # a DTensor (tensor parallelism): the whole weight, as calibrated
             param = param.full_tensor()
         signs = torch.signbit(param.detach().to("cpu", torch.float32)).flatten()
         digest.update(f"{'first' if layer == ends[0] else 'last'}.{which}{tuple(param.shape)};".encode())
         digest.update(np.packbits(signs.numpy()).tobytes())
-    return {
-        "sha256": digest.hexdigest(),
-        "method": "sign bits of q_proj/k_proj (or c_attn) weights, first and last layer",
-        "layers": list(ends),
-    }
+    else:
+        result = {"sha256": digest.hexdigest(), "method": LEGACY_METHOD, "layers": list(ends)}
+    try:
+        _LEGACY[model] = (state, result)
+    except TypeError:
+        pass
+    return dict(result) if result is not None else None
+
+
+_LEGACY = None  # WeakKeyDictionary: model -> (state of its q/k weights, legacy fingerprint)
 
 
 _warned: set[str] = set()

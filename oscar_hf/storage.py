@@ -1,22 +1,12 @@
-"""The storage format of the quantized history: one class, `QuantizedHistory`, owns its buffers and lengths.
+"""One OSCAR layer's buffers, in the layout its `format.LayerFormat` describes (see format.py for the bytes):
 
-One stream (the keys, or the values) of one OSCAR layer, rotated before it gets here. Buffers (B batch, H KV heads,
-cap capacity in tokens, d head_dim):
+    sink     `[B, H, S + 1, d]`   position p < S at slot p;                 slot S: scratch
+    ring     `[B, H, R + 1, d]`   position p >= S at slot (p − S) mod R;    slot R: scratch   (positions.py)
+    history  keys and values (`QuantizedHistory`): row j = position S + j
 
-- codes `[B, H, cap, d·bits/8]` uint8, one packed row per token (planar packing, `quant.py`), for both granularities;
-  with wide heads (`wide`, 2-bit histories) `[B, H + U, cap, d/4]`: their low planes after the H heads (`quant.py`);
-- token-wise meta `[B, H, cap, d/group_size, 2]`: (scale, minimum) per group of channels of each token;
-- channel-wise meta `[B, cap/chunk, R, d, 2]`: (scale, minimum) per channel of each block of tokens, KV head h in
-  blocks of `layout.blocks[h]` tokens, all heads' blocks of one chunk of `layout.chunk` tokens in one slab of R rows
-  (`quant.KeyBlockLayout`). Tokens arrive a whole chunk at a time (the cache demotes in chunks), so a block is
-  quantized once and never touched again;
-- bits == 16: `dense` `[B, H, cap, d]` in the model dtype (no quantization; the cache-logic check).
-
-Channel-wise 2-bit keys may have wide key channels (`wide_channels`, per KV head; `quant.py`): same buffers, read and
-written with the paired slots.
-
-Rows `[0, length)` are valid. 2-bit rows are written by `ops.quantize_pack` (the fused Triton kernel on CUDA, its
-torch twin elsewhere); other widths by `quant.py` directly.
+Growable (the dynamic cache: history capacity grows geometrically as tokens arrive) or fixed (the static cache:
+allocated once for `max_cache_len`, addresses never change, so a captured step can write at device-side rows). The
+storage holds no lengths and makes no decisions: the position plan says what is where, the layer says what to write.
 """
 
 from __future__ import annotations
@@ -26,248 +16,139 @@ from typing import Callable
 import torch
 
 from . import ops
-from .config import DTYPES
-from .quant import (KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, check_wide_channels, check_wide_rows, clip_rows,
-                    dequantize, quantize_key_chunks, quantize_rows, wide_heads)
+from .format import LayerFormat, StreamFormat
+from .quant import Packed, dequantize
 
-GRANULARITIES = ("token", "channel")
-_BULK_RESERVE = 256  # spare rows after a bulk (prefill) append
+_MIN_GROWTH = 256  # spare history rows when a growable history must grow
 
 
 class QuantizedHistory:
-    """The quantized history of one stream of one layer.
+    """The history buffers of one stream (keys or values) of one layer, rows [0, capacity): `codes` and `meta`
+    (a 16-bit stream keeps its rows dense in `codes`, in the model dtype, and has no `meta`)."""
 
-    Args:
-        bits: code width (16 = stored dense).
-        granularity: `"token"` (a scale/minimum per group of `group_size` channels of each token) or `"channel"` (per
-            channel per block of tokens, laid out by `layout`).
-        group_size: channels per token-wise group. layout: the channel-wise blocks of each KV head (`KeyBlockLayout`;
-            required for `"channel"`).
-        scale_dtype: dtype of the scale and minimum. clip_ratio: per-row clip before token-wise quantization.
-        wide: `quant.wide_rows` of the KV heads (2-bit histories): those heads are stored at 4 bits; `()`: none.
-        wide_channels: wide key channels per KV head (2-bit channel-wise histories, `quant.quantize_wide_channels`);
-            `()`: none.
-    """
-
-    def __init__(self, bits: int, granularity: str, group_size: int, layout: KeyBlockLayout | None, scale_dtype: str,
-                 clip_ratio: float, head_dim: int, wide: tuple[int, ...] = (), wide_channels: tuple[int, ...] = ()):
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"history granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        self.bits = bits
-        self.granularity = granularity if bits < 16 else "token"
-        if self.granularity == "channel" and layout is None:
-            raise ValueError("a channel-wise history needs a KeyBlockLayout")
-        self.group_size = group_size
-        self.layout = layout if self.granularity == "channel" else None
-        self.scale_dtype = scale_dtype
-        self.clip_ratio = clip_ratio
-        self.head_dim = head_dim
-        self.wide = tuple(wide) if bits == 2 else ()
-        if self.wide and self.layout is not None:
-            check_wide_rows(self.wide, self.layout.heads)
-        self.wide_channels = ()
-        if any(int(n) for n in wide_channels):
-            if bits != 2 or self.layout is None:
-                raise ValueError(f"wide key channels need a 2-bit channel-wise history, not a {bits}-bit "
-                                 f"{self.granularity}-wise one")
-            self.wide_channels = check_wide_channels(wide_channels, self.layout.heads, head_dim, self.wide)
-        self.length = 0
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.kernel: bool | None = None  # the static cache decides once whether the Triton kernels run (None: per call)
+    def __init__(self, fmt: StreamFormat):
+        self.fmt = fmt
+        self.codes: torch.Tensor | None = None
+        self.meta: torch.Tensor | None = None
+        self.kernel: bool | None = None  # whether the Triton kernels write (decided once by the layer; None: per call)
 
     @property
-    def channelwise(self) -> bool:
-        return self.granularity == "channel"
-
-    @property
-    def chunk(self) -> int:
-        """Tokens that enter a channel-wise history together (1 for token-wise histories)."""
-        return self.layout.chunk if self.channelwise else 1
-
-    @property
-    def kernel_key_layout(self) -> tuple[list[int], int]:
-        """(blocks per KV head, chunk) as the attention ops take them; `([], 0)` for token-wise keys."""
-        return (list(self.layout.blocks), self.layout.chunk) if self.channelwise else ([], 0)
-
-    @property
-    def wide_count(self) -> int:
-        """U: the wide heads, whose low planes follow the H heads' rows in the codes."""
-        return len(wide_heads(self.wide))
-
-    def _row_dim(self, name: str) -> int:
-        """The buffer dimension that runs along tokens (chunks for channel-wise meta)."""
-        return 1 if name == "meta" and self.channelwise else 2
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.meta) if t is not None]
 
     @property
     def capacity(self) -> int:
-        return self.buffers["dense" if self.bits == 16 else "codes"].shape[2] if self.buffers else 0
+        return 0 if self.codes is None else self.codes.shape[2]
 
-    def _allocate(self, batch: int, heads: int, capacity: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        d = self.head_dim
-        if self.bits == 16:
-            return {"dense": torch.empty(batch, heads, capacity, d, dtype=dtype, device=device)}
-        meta_dtype = DTYPES[self.scale_dtype]
-        if self.channelwise:
-            if heads != self.layout.heads:
-                raise ValueError(f"the key block layout is for {self.layout.heads} KV heads, the states have {heads}")
-            chunk = self.layout.chunk
-            capacity = -(-capacity // chunk) * chunk
-            meta = torch.empty(batch, capacity // chunk, self.layout.rows_per_chunk, d, 2, dtype=meta_dtype, device=device)
+    def _empty(self, batch: int, capacity: int, dtype: torch.dtype, device):
+        fmt = self.fmt
+        if fmt.dense:
+            return torch.zeros(batch, fmt.heads, capacity, fmt.head_dim, dtype=dtype, device=device), None
+        if fmt.channelwise:
+            meta = torch.zeros(batch, capacity // fmt.chunk, fmt.rows_per_chunk, fmt.head_dim, 2, dtype=fmt.meta_dtype,
+                               device=device)
         else:
-            meta = torch.empty(batch, heads, capacity, d // self.group_size, 2, dtype=meta_dtype, device=device)
-        if self.wide:
-            check_wide_rows(self.wide, heads)
-        codes = torch.empty(batch, heads + self.wide_count, capacity, d * self.bits // 8, dtype=torch.uint8, device=device)
-        return {"codes": codes, "meta": meta}
+            meta = torch.zeros(batch, fmt.heads, capacity, fmt.groups, 2, dtype=fmt.meta_dtype, device=device)
+        codes = torch.zeros(batch, fmt.code_rows, capacity, fmt.row_bytes, dtype=torch.uint8, device=device)
+        return codes, meta
 
-    def initialize(self, rows: torch.Tensor) -> None:
-        """Empty buffers with the batch, heads, dtype and device of `rows` `[B, H, n, d]`."""
-        self.buffers = self._allocate(rows.shape[0], rows.shape[1], 0, rows.dtype, rows.device)
-        self.length = 0
+    def allocate(self, batch: int, capacity: int, dtype: torch.dtype, device) -> None:
+        """Zero-filled buffers for `capacity` rows (rounded up to whole chunks)."""
+        chunk = self.fmt.chunk
+        self.codes, self.meta = self._empty(batch, -(-capacity // chunk) * chunk, dtype, device)
 
-    def allocate_static(self, rows: torch.Tensor, capacity: int) -> None:
-        """Zero-filled buffers for `capacity` rows (a whole number of chunks) with the batch, heads, dtype and device
-        of `rows`, never reallocated afterwards: the static cache's history, written at device-side indices
-        (`write_rows_at`, `write_chunks_at`) so that a captured decode step has fixed shapes and addresses."""
-        self.buffers = {name: buf.zero_() for name, buf in
-                        self._allocate(rows.shape[0], rows.shape[1], capacity, rows.dtype, rows.device).items()}
-        self.length = 0
-
-    def _quantized(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows `[B, H, n, d]` (rotated) in this history's format (bits other than 2), as new tensors named like the
-        buffers."""
-        if self.bits == 16:
-            return {"dense": rows}
-        if self.channelwise:
-            q = quantize_key_chunks(rows, self.bits, self.layout, self.scale_dtype)
-        else:
-            q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
-        return {"codes": q.codes, "meta": q.meta}
-
-    def write_rows_at(self, rows: torch.Tensor, start: torch.Tensor) -> None:
-        """Token-wise: quantizes rows `[B, H, n, d]` (rotated) into rows [start, start + n) of the buffers, `start` an
-        int64 device tensor of one element (negative: nothing is written). No host synchronisation; `length` is left
-        to the caller."""
-        if self.channelwise:
-            raise ValueError("write_rows_at is for token-wise histories; channel-wise ones take whole chunks")
-        self._write_at(rows, start)
-
-    def write_chunks_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
-        """Channel-wise: quantizes whole chunks of rows `[B, H, nc·chunk, d]` (rotated) into rows [start, start +
-        nc·chunk), `start` an int64 device tensor of one element, a multiple of the chunk (negative: nothing is
-        written). No host synchronisation. `ring` > 0: `rows` is a ring of that many slots holding history row j at
-        slot j mod ring, and the one chunk at `start` is read from it in place (2-bit histories)."""
-        if not self.channelwise:
-            raise ValueError("write_chunks_at is for channel-wise histories")
-        self._write_at(rows, start, ring)
-
-    def _write_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
-        if self.bits == 2:  # straight into the buffers: the Triton kernel on CUDA reads `start` itself
-            ops.quantize_pack_at(rows, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                                 self.buffers["meta"], start, *self.kernel_key_layout, ring=ring, wide_rows=self.wide,
-                                 wide_channels=self.wide_channels, kernel=self.kernel)
-            return
-        if ring:
-            raise ValueError(f"a ring source is read by 2-bit histories only, not {self.bits}-bit ones")
-        start = start.reshape(())
-        due, first = start >= 0, start.clamp(min=0)
-        index = first + torch.arange(rows.shape[2], device=rows.device)
-        for name, t in self._quantized(rows).items():
-            dim = self._row_dim(name)
-            if name == "meta" and self.channelwise:
-                index_m = torch.div(first, self.chunk, rounding_mode="floor") + torch.arange(t.shape[1], device=rows.device)
-            else:
-                index_m = index
-            buf = self.buffers[name]
-            buf.index_copy_(dim, index_m, torch.where(due, t, buf.index_select(dim, index_m)))
-
-    def _meta_rows(self, tokens: int) -> int:
-        return tokens // self.chunk if self.channelwise else tokens
-
-    def reserve(self, rows: torch.Tensor, needed: int, bulk: bool, extra: int | None = None) -> None:
-        """Grows the buffers to hold `needed` rows: exact plus a small reserve after a bulk append, geometric
-        (1/8) during decoding, or exactly `needed + extra` when `extra` is given."""
+    def grow(self, needed: int) -> None:
+        """At least `needed` rows, keeping the rows already written (geometric growth)."""
         if needed <= self.capacity:
             return
-        if extra is None:
-            extra = _BULK_RESERVE if bulk else max(_BULK_RESERVE, needed // 8)
-        b, h = rows.shape[:2]
-        new = self._allocate(b, h, needed + extra, rows.dtype, rows.device)  # (the codes' wide rows added there)
-        for name, buf in self.buffers.items():
-            n = self._meta_rows(self.length) if name == "meta" else self.length
-            new[name].narrow(self._row_dim(name), 0, n).copy_(buf.narrow(self._row_dim(name), 0, n))
-        self.buffers = new
+        chunk = self.fmt.chunk
+        capacity = -(-(needed + max(_MIN_GROWTH, needed // 8)) // chunk) * chunk
+        codes, meta = self._empty(self.codes.shape[0], capacity, self.codes.dtype, self.codes.device)
+        codes.narrow(2, 0, self.codes.shape[2]).copy_(self.codes)
+        if meta is not None:
+            dim = 1 if self.fmt.channelwise else 2
+            meta.narrow(dim, 0, self.meta.shape[dim]).copy_(self.meta)
+        self.codes, self.meta = codes, meta
 
-    def append(self, rows: torch.Tensor, bulk: bool, rotation: torch.Tensor | None = None) -> None:
-        """Appends `rows` `[B, H, n, d]` after the valid history: rotated by `rotation` `[H, d, d]` first if given
-        (otherwise already rotated), then clipped (token-wise), quantized and packed. Channel-wise histories take
-        whole chunks only."""
-        n = rows.shape[2]
-        if n == 0:
-            return
-        if self.channelwise and (n % self.chunk or self.length % self.chunk):
-            raise ValueError(
-                f"channel-wise history appends whole chunks of {self.chunk} tokens (got {n} after {self.length})"
-            )
-        self.reserve(rows, self.length + n, bulk)
-        start, end = self.length, self.length + n
-        if self.bits == 2:
-            ops.quantize_pack(rows, rotation, 1.0 if self.channelwise else self.clip_ratio, self.buffers["codes"],
-                              self.buffers["meta"], start, *self.kernel_key_layout, wide_rows=self.wide,
-                              wide_channels=self.wide_channels)
-        else:
-            if rotation is not None:
-                rows = torch.matmul(rows, rotation)
-            if self.bits == 16:
-                self.buffers["dense"][:, :, start:end] = rows
-            elif self.channelwise:
-                q = quantize_key_chunks(rows, self.bits, self.layout, self.scale_dtype)
-                self.buffers["codes"][:, :, start:end] = q.codes
-                self.buffers["meta"][:, start // self.chunk : end // self.chunk] = q.meta
-            else:
-                q = quantize_rows(clip_rows(rows.float(), self.clip_ratio), self.bits, self.group_size, self.scale_dtype)
-                self.buffers["codes"][:, :, start:end] = q.codes
-                self.buffers["meta"][:, :, start:end] = q.meta
-        self.length = end
+    def write(self, rows: torch.Tensor, start: int, rotation: torch.Tensor | None = None) -> None:
+        """Quantizes rows `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into rows
+        [start, start + n) (channel-wise: whole chunks)."""
+        if rows.shape[2]:
+            ops.quantize_pack(rows, rotation, self.codes, self.meta, start, self.fmt, kernel=self.kernel)
 
-    def truncate(self, length: int) -> torch.Tensor | None:
-        """Keeps the first `length` rows. A channel-wise history keeps whole chunks: the valid rows of a cut chunk
-        are returned dequantized `[B, H, r, d]` float32 (exactly what was stored, for the caller to keep in full precision),
-        else None."""
-        if length >= self.length:
-            return None
-        tail = None
-        if self.channelwise and length % self.chunk:
-            kept = length // self.chunk * self.chunk
-            tail = dequantize(self.packed(kept, kept + self.chunk), torch.float32)[:, :, : length - kept]
-            length = kept
-        self.length = length
-        return tail
+    def write_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
+        """Quantizes rows (rotated) into rows [start, start + n), `start` an int64 device tensor of one element
+        (negative: nothing is written), with no host synchronisation. `ring` > 0 (channel-wise): `rows` is the ring,
+        history row j at slot j mod ring, and the one chunk at `start` is read from it."""
+        ops.quantize_pack_at(rows, self.codes, self.meta, start, self.fmt, ring=ring, kernel=self.kernel)
 
-    def packed(self, start: int, end: int) -> QuantizedRows | QuantizedKeyChunks | torch.Tensor:
-        """Rows `[start, end)` as a view: `QuantizedRows` (token-wise), `QuantizedKeyChunks` (channel-wise; `start`
-        on a chunk boundary, the chunks covering `end`), or a dense tensor when bits == 16."""
-        b = self.buffers
-        if self.bits == 16:
-            return b["dense"][:, :, start:end]
-        if self.channelwise:
-            return QuantizedKeyChunks(b["codes"][:, :, start:end], b["meta"][:, start // self.chunk : -(-end // self.chunk)],
-                                      self.bits, self.layout, self.wide, self.wide_channels)
-        return QuantizedRows(b["codes"][:, :, start:end], b["meta"][:, :, start:end], self.bits, self.group_size, self.wide)
+    def packed(self, start: int, end: int) -> Packed:
+        """Rows [start, end) as a view (channel-wise: `start` on a chunk boundary)."""
+        fmt = self.fmt
+        if fmt.dense:
+            return Packed(self.codes[:, :, start:end], None, fmt)
+        if fmt.channelwise:
+            return Packed(self.codes[:, :, start:end], self.meta[:, start // fmt.chunk : -(-end // fmt.chunk)], fmt)
+        return Packed(self.codes[:, :, start:end], self.meta[:, :, start:end], fmt)
 
     def dequantize(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.packed(start, end), dtype)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.buffers = {name: fn(buf) for name, buf in self.buffers.items()}
+        self.codes = fn(self.codes)
+        self.meta = None if self.meta is None else fn(self.meta)
 
-    def nbytes(self) -> tuple[int, int]:
-        """(allocated, used) bytes."""
-        allocated = used = 0
-        for name, buf in self.buffers.items():
-            size = buf.numel() * buf.element_size()
-            rows = self._meta_rows(self.length) if name == "meta" else self.length
-            allocated += size
-            total = buf.shape[self._row_dim(name)]
-            used += size * rows // total if total else 0
-        return allocated, used
+    def nbytes(self, rows: int | None = None) -> int:
+        """Bytes allocated, or (`rows`) those holding rows [0, rows)."""
+        total = 0
+        for t, per_row in ((self.codes, 1), (self.meta, self.fmt.chunk if self.fmt.channelwise else 1)):
+            if t is None:
+                continue
+            size = t.numel() * t.element_size()
+            if rows is not None:
+                n = t.shape[1 if t is self.meta and self.fmt.channelwise else 2]
+                size = size * min(-(-rows // per_row), n) // n if n else 0
+            total += size
+        return total
+
+
+class LayerStorage:
+    """Sink, ring and the two histories of one OSCAR layer (module docstring)."""
+
+    def __init__(self, fmt: LayerFormat, sink: int, ring: int):
+        self.fmt, self.sink_size, self.ring_size = fmt, sink, ring
+        self.keys, self.values = QuantizedHistory(fmt.keys), QuantizedHistory(fmt.values)
+        self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
+
+    def allocate(self, like: torch.Tensor, capacity: int) -> None:
+        """Zero-filled buffers with the batch, dtype and device of `like` `[B, H, n, d]`, the histories for
+        `capacity` rows."""
+        b, h, _, d = like.shape
+        self.sink_keys, self.sink_values = (like.new_zeros(b, h, self.sink_size + 1, d) for _ in range(2))
+        self.ring_keys, self.ring_values = (like.new_zeros(b, h, self.ring_size + 1, d) for _ in range(2))
+        for history in (self.keys, self.values):
+            history.allocate(b, capacity, like.dtype, like.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.capacity
+
+    def grow(self, rows: int) -> None:
+        for history in (self.keys, self.values):
+            history.grow(rows)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the layer writes (what a captured step depends on)."""
+        return [self.sink_keys, self.sink_values, self.ring_keys, self.ring_values, *self.keys.buffers,
+                *self.values.buffers]
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
+        self.ring_keys, self.ring_values = fn(self.ring_keys), fn(self.ring_values)
+        self.keys.map_batch(fn)
+        self.values.map_batch(fn)
+
+    def copy_batch_(self, index: torch.Tensor) -> None:
+        """Reorders the batch in place (beam search), keeping every buffer's address."""
+        for t in self.buffers():
+            t.copy_(t.index_select(0, index.to(t.device)))

@@ -86,11 +86,11 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_rotations(smollm2):
-    from oscar_hf import OscarConfig
+    from oscar_hf import CalibrationConfig
     from oscar_hf.calibrate import calibrate
 
     model, tokenizer = smollm2
-    return calibrate(model, tokenizer, config=OscarConfig(calibration_tokens=4096), progress=False)
+    return calibrate(model, tokenizer, calibration=CalibrationConfig(tokens=4096), progress=False)
 
 
 def rewrite_rotation_file(folder, rotations, edit_json=None, edit_tensors=None):

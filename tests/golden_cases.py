@@ -70,7 +70,7 @@ CASES = [
      ("dynamic", "static", "sdpa")),
     ("channels", "llama", "channels", dict(**SMALL, demotion_block=16, key_block=8, value_clip="fitted"),
      ("dynamic", "static")),
-    ("centered", "llama", "centered", dict(**SMALL, demotion_block=16, key_block=8, center_keys=True, value_clip=0.95),
+    ("centered", "llama", "centered", dict(**SMALL, demotion_block=16, key_block=8, value_clip=0.95),
      ("dynamic", "static")),
     ("token-g8", "llama", "hadamard", dict(**SMALL, demotion_block=8, key_block=8, key_granularity="token",
                                            group_size=8, key_clip=0.9, value_clip=0.95), ("dynamic", "static")),
@@ -96,29 +96,36 @@ def stored_tensors(cache) -> dict[str, torch.Tensor]:
     """What the cache stores, by name: each OSCAR layer's sink, recent window (dynamic) or ring (static), and the
     history's packed buffers (valid rows of a dynamic cache, the whole buffers of a static one)."""
     from oscar_hf.cache import OscarLayer
-    from oscar_hf.static_cache import StaticOscarLayer
 
     out = {}
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, OscarLayer):
             continue
-        if isinstance(layer, StaticOscarLayer):
-            out[f"{i}.sink_keys"], out[f"{i}.sink_values"] = layer.sink_keys, layer.sink_values
-            out[f"{i}.ring_keys"], out[f"{i}.ring_values"] = layer.ring_keys, layer.ring_values
-            for stream, history in (("keys", layer.history_keys), ("values", layer.history_values)):
-                for name, buf in history.buffers.items():
+        st, plan = layer.storage, layer.plan
+        streams = (("keys", st.keys), ("values", st.values))
+        if layer.is_compileable:
+            out[f"{i}.sink_keys"], out[f"{i}.sink_values"] = st.sink_keys, st.sink_values
+            out[f"{i}.ring_keys"], out[f"{i}.ring_values"] = st.ring_keys, st.ring_values
+            for stream, history in streams:
+                for name, buf in (("dense", history.codes), ) if history.fmt.dense else (("codes", history.codes),
+                                                                                       ("meta", history.meta)):
                     out[f"{i}.history_{stream}.{name}"] = buf
             continue
-        out[f"{i}.sink_keys"] = layer.sink_keys[:, :, : layer.n_sink]
-        out[f"{i}.sink_values"] = layer.sink_values[:, :, : layer.n_sink]
-        out[f"{i}.recent_keys"] = layer.recent_keys[:, :, : layer.n_recent]
-        out[f"{i}.recent_values"] = layer.recent_values[:, :, : layer.n_recent]
-        for stream, history in (("keys", layer.history_keys), ("values", layer.history_values)):
-            n = history.length
-            for name, buf in history.buffers.items():
-                rows = n // history.chunk if name == "meta" and history.channelwise else n
-                dim = 1 if name == "meta" and history.channelwise else 2
-                out[f"{i}.history_{stream}.{name}"] = buf.narrow(dim, 0, rows)
+        length = plan.current_length()
+        n_sink, n = plan.counts(length)[:2]
+        first, last = plan.recent_positions(length)
+        slots = plan.slots(first, last)
+        out[f"{i}.sink_keys"] = st.sink_keys[:, :, :n_sink]
+        out[f"{i}.sink_values"] = st.sink_values[:, :, :n_sink]
+        out[f"{i}.recent_keys"] = st.ring_keys.index_select(2, slots)
+        out[f"{i}.recent_values"] = st.ring_values.index_select(2, slots)
+        for stream, history in streams:
+            if history.fmt.dense:
+                out[f"{i}.history_{stream}.dense"] = history.codes[:, :, :n]
+                continue
+            out[f"{i}.history_{stream}.codes"] = history.codes[:, :, :n]
+            rows = n // history.fmt.chunk if history.fmt.channelwise else n
+            out[f"{i}.history_{stream}.meta"] = history.meta.narrow(1 if history.fmt.channelwise else 2, 0, rows)
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
@@ -129,7 +136,17 @@ def make_cache(kind: str, model, rotations, config):
 
 
 def run_case(name: str, family: str, rotations_kind: str, fields: dict, kinds) -> dict[str, torch.Tensor]:
+    """One case's outputs, on one thread (the order of float sums, hence the last bits, depends on the thread count)."""
+    threads = torch.get_num_threads()
     os.environ["OSCAR_HF_KERNELS"] = "0"
+    torch.set_num_threads(1)
+    try:
+        return _run_case(name, family, rotations_kind, fields, kinds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_case(name: str, family: str, rotations_kind: str, fields: dict, kinds) -> dict[str, torch.Tensor]:
     out = {}
     config = OscarConfig(**fields)
     for kind in kinds:

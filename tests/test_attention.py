@@ -3,10 +3,11 @@ import torch
 from transformers import DynamicCache
 
 from conftest import VOCAB, tiny_model
-from oscar_hf import OscarCache, OscarConfig, OscarRotations
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, ops
 from oscar_hf.attention import key_padding_mask
-from oscar_hf.ops import segment_attention_reference
-from oscar_hf.quant import KeyBlockLayout, dequantize, dequantize_rows, quantize_key_chunks, quantize_rows, wide_rows
+from oscar_hf.format import LayerFormat, StreamFormat, wide_rows
+from oscar_hf.ops import Segments, segment_attention_reference
+from oscar_hf.quant import dequantize, quantize
 
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4)  # key blocks as before: one per demotion
 
@@ -21,24 +22,34 @@ def _masked_attention(q, k, v, scale, mask):
 
 
 def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1, dtype=torch.float32, seed=0, mask=True,
-                    key_blocks=(), key_chunk=0, head_bits=None):
-    """Random inputs for `segment_attention` plus the dense float64 picture of the same keys/values. With `key_chunk`,
+                    key_blocks=(), key_chunk=0, head_bits=None, wide_channels=()):
+    """Random inputs of `ops.segment_attention` plus the dense float64 picture of the same keys/values.
+
+    Returns `(args, (out, lse))`: args = (q, Segments, LayerFormat, key_mask, queries_per_group, query_start, scale)
+    in `ops.segment_attention`'s order, the segments views of larger buffers (as a cache's are). With `key_chunk`,
     keys are channel-wise, KV head h over blocks of `key_blocks[h]` tokens (an int: the same for every head) in
-    chunks of `key_chunk` (`quant.KeyBlockLayout`; nh a multiple of the chunk, one spare chunk of capacity), each
-    channel with its own offset and spread (as post-RoPE keys have). `head_bits`: the heads at 4 bits (wide)."""
+    chunks of `key_chunk` (nh a multiple of the chunk, one spare chunk of capacity), each channel with its own offset
+    and spread (as post-RoPE keys have); `wide_channels`: each head's wide key channels. `head_bits`: the heads at 4
+    bits (wide)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     q = rnd(b, h, g * t, d).to(dtype)
     sink_k, sink_v = rnd(b, h, ns + 3, d).to(dtype), rnd(b, h, ns + 3, d).to(dtype)
     wide = wide_rows(head_bits) if head_bits else ()
-    hv = quantize_rows(rnd(b, h, nh + 2, d), 2, d // groups, wide=wide)
+    value_fmt = StreamFormat(h, d, 2, group_size=d // groups, wide_rows=wide)
+    hv = quantize(rnd(b, h, nh + 2, d), value_fmt)
     if key_chunk:
         key_blocks = (key_blocks,) * h if isinstance(key_blocks, int) else tuple(key_blocks)
+        key_fmt = StreamFormat(h, d, 2, "channel", blocks=key_blocks, chunk=key_chunk, wide_rows=wide,
+                               wide_channels=wide_channels)
         raw = rnd(b, h, nh + key_chunk, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
-        hk = quantize_key_chunks(raw, 2, KeyBlockLayout(key_blocks, key_chunk), wide=wide)
+        hk = quantize(raw, key_fmt)
+        hk = type(hk)(hk.codes[:, :, :nh], hk.meta[:, : -(-nh // key_chunk)], key_fmt)
     else:
-        key_blocks = ()
-        hk = quantize_rows(rnd(b, h, nh + 2, d) * 2, 2, d // groups)
+        key_fmt = StreamFormat(h, d, 2, group_size=d // groups, wide_rows=wide)
+        hk = quantize(rnd(b, h, nh + 2, d) * 2, key_fmt)
+        hk = type(hk)(hk.codes[:, :, :nh], hk.meta[:, :, :nh], key_fmt)
+    hv = type(hv)(hv.codes[:, :, :nh], hv.meta[:, :, :nh], value_fmt)
     rec_k, rec_v = rnd(b, h, nr + 1, d).to(dtype), rnd(b, h, nr + 1, d).to(dtype)
     ext_k, ext_v = rnd(b, h, ne, d).to(dtype), rnd(b, h, ne, d).to(dtype)
     n = ns + nh + nr + ne
@@ -46,10 +57,11 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
     if mask:
         key_mask = torch.ones(b, n, dtype=torch.bool)
         key_mask[0, :7] = False  # left padding of row 0
-    args = (q, sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta, rec_k, rec_v, ext_k, ext_v, key_mask, ns, nh, nr, ne, t,
-            n - t, d ** -0.5, list(key_blocks), key_chunk, list(wide))
-    keys = torch.cat([sink_k[:, :, :ns].float(), dequantize(hk)[:, :, :nh], rec_k[:, :, :nr].float(), ext_k.float()], 2)
-    values = torch.cat([sink_v[:, :, :ns].float(), dequantize_rows(hv)[:, :, :nh], rec_v[:, :, :nr].float(), ext_v.float()], 2)
+    seg = Segments(sink_k[:, :, :ns], sink_v[:, :, :ns], hk, hv, rec_k[:, :, :nr], rec_v[:, :, :nr], ext_k, ext_v)
+    assert seg.lengths == (ns, nh, nr, ne)
+    args = (q, seg, LayerFormat(key_fmt, value_fmt), key_mask, t, n - t, d ** -0.5)
+    keys = torch.cat([sink_k[:, :, :ns].float(), dequantize(hk), rec_k[:, :, :nr].float(), ext_k.float()], 2)
+    values = torch.cat([sink_v[:, :, :ns].float(), dequantize(hv), rec_v[:, :, :nr].float(), ext_v.float()], 2)
     qpos = (n - t) + torch.arange(g * t) % t
     visible = (torch.arange(n)[None, :] <= qpos[:, None])[None, None]
     if key_mask is not None:
@@ -57,32 +69,91 @@ def random_segments(b=2, h=2, g=3, t=4, d=64, ns=5, nh=37, nr=11, ne=0, groups=1
     return args, _masked_attention(q, keys, values, d ** -0.5, visible)
 
 
+def twin(args, **kwargs):
+    """`segment_attention_reference` on `random_segments`' arguments (the twin reads the format from the segments)."""
+    q, seg, _, key_mask, queries_per_group, query_start, scale = args
+    return segment_attention_reference(q, seg, key_mask, queries_per_group, query_start, scale, **kwargs)
+
+
 @pytest.mark.parametrize("case", [dict(), dict(t=1, g=4), dict(ne=9, nr=6), dict(groups=2), dict(groups=4, mask=False), dict(nh=0),
                                   dict(nh=32, key_blocks=16, key_chunk=16),
                                   dict(t=1, g=4, nh=64, key_blocks=32, key_chunk=32, groups=2),
                                   dict(t=1, g=4, nh=128, key_blocks=(16, 64), key_chunk=64),  # per-head blocks
                                   dict(h=4, nh=64, key_blocks=(32, 8, 16, 32), key_chunk=32, groups=2),
-                                  dict(h=3, nh=64, key_blocks=(16, 32, 32), key_chunk=32, head_bits=(4, 2, 4))])
+                                  dict(h=3, nh=64, key_blocks=(16, 32, 32), key_chunk=32, head_bits=(4, 2, 4)),
+                                  dict(h=3, nh=64, key_blocks=(16, 32, 32), key_chunk=32, wide_channels=(5, 0, 16))])
 def test_segment_attention_reference_matches_dense_attention(case):
     args, (ref, ref_lse) = random_segments(**case)
-    out, lse = segment_attention_reference(*args)
+    out, lse = twin(args)
     assert torch.allclose(out.double(), ref, atol=1e-5)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    # off CUDA (and without OSCAR_HF_KERNELS=1) the op is its twin
+    out_op, lse_op = ops.segment_attention(*args)
+    assert torch.equal(out_op, out) and torch.equal(lse_op, lse)
+
+
+def test_the_bf16_emulating_twin_rounds_the_probabilities_only():
+    """`emulate_bf16`: the probabilities rounded to bfloat16 before they weigh the values (the kernels' tensor-core
+    dots), the log-sum-exp untouched: a small error against float64 that the tests scale their tolerances by."""
+    args, (ref, ref_lse) = random_segments(t=1, g=4, nh=64, key_blocks=32, key_chunk=32)
+    out, lse = twin(args, emulate_bf16=True)
+    err = (out.double() - ref).abs().max().item()
+    assert torch.equal(lse, twin(args)[1])
+    assert 1e-5 < err < 2e-2
 
 
 def test_key_padding_mask_from_4d_masks():
+    m = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(3)  # three queries after three past tokens
+    m[1, :, :, :2] = False
+    assert key_padding_mask(m, 3).tolist() == [[True] * 6, [False, False, True, True, True, True]]
+    additive = torch.zeros(2, 1, 3, 6).masked_fill(~m, torch.finfo(torch.float32).min)
+    assert torch.equal(key_padding_mask(additive, 3), key_padding_mask(m, 3))
+    assert key_padding_mask(None) is None
+    one_row = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    one_row[0, :, :, 0] = False
+    assert key_padding_mask(one_row, 5).tolist() == [[False] + [True] * 5, [True] * 6]
+    with pytest.raises(ValueError, match="4D"):
+        key_padding_mask(m[:, 0], 3)
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "shifted", "custom"])
+def test_key_padding_mask_refuses_masks_that_are_not_causal_and_padding(kind, monkeypatch):
+    """A multi-row mask that is not causal + padding would silently become a padding mask: it is refused, bool or
+    additive (a causal mask read at the wrong query start is not causal + padding either)."""
+    from oscar_hf import attention
+
+    monkeypatch.setattr(attention, "_CHECKED_MASK", [None])  # no mask of an earlier test counts as checked
     m = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(3)
     m[1, :, :, :2] = False
-    assert key_padding_mask(m).tolist() == [[True] * 6, [False, False, True, True, True, True]]
+    query_start = 3
+    if kind == "bidirectional":
+        m = m | m[:, :, -1:, :]  # every row sees the last row's keys
+    elif kind == "shifted":
+        query_start = 2  # the same mask, for queries at 2, 3, 4
+    else:
+        m[0, 0, 1, 2] = False  # one key hidden from one query that the last query sees
     additive = torch.zeros(2, 1, 3, 6).masked_fill(~m, torch.finfo(torch.float32).min)
-    assert torch.equal(key_padding_mask(additive), key_padding_mask(m))
-    assert key_padding_mask(None) is None
+    for mask in (m, additive):
+        with pytest.raises(ValueError, match="causal \\+ padding masks only"):
+            key_padding_mask(mask, query_start)
+
+
+def test_a_mask_changed_in_place_after_its_check_is_checked_again(monkeypatch):
+    from oscar_hf import attention
+
+    monkeypatch.setattr(attention, "_CHECKED_MASK", [None])
+    m = torch.ones(1, 1, 3, 6, dtype=torch.bool).tril(3)
+    key_padding_mask(m, 3)  # causal + padding: accepted, and remembered
+    key_padding_mask(m, 3)
+    m[0, 0, 0, 5] = True  # now the first query sees the future
+    with pytest.raises(ValueError, match="causal \\+ padding masks only"):
+        key_padding_mask(m, 3)
 
 
 def _chunks(model, ids, cache, sizes):
     logits, start = [], 0
     for n in sizes:
-        logits.append(model(input_ids=ids[:, start : start + n], past_key_values=cache, use_cache=True).logits)
+        logits.append(model(input_ids=ids[:, start : start + n], cache=cache, use_cache=True).logits)
         start += n
     return torch.cat(logits, 1)
 
@@ -141,13 +212,13 @@ def test_left_padding_matches_the_unpadded_sequence():
     mask = torch.ones_like(batch)
     mask[1, :10] = 0
     cache = OscarCache(model, rot, config)
-    out = model(input_ids=batch, attention_mask=mask, past_key_values=cache).logits
+    out = model(input_ids=batch, attention_mask=mask, cache=cache).logits
     nxt = torch.tensor([[5], [7]])
     mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-    step = model(input_ids=nxt, attention_mask=mask, past_key_values=cache).logits
+    step = model(input_ids=nxt, attention_mask=mask, cache=cache).logits
     alone = OscarCache(model, rot, config)
-    ref = model(input_ids=short, past_key_values=alone).logits
-    ref_step = model(input_ids=nxt[1:], past_key_values=alone).logits
+    ref = model(input_ids=short, cache=alone).logits
+    ref_step = model(input_ids=nxt[1:], cache=alone).logits
     assert torch.allclose(out[1, 10:], ref[0], atol=1e-4)
     assert torch.allclose(step[1], ref_step[0], atol=1e-4)
 
@@ -163,7 +234,7 @@ def test_long_chunks_in_query_blocks_match_one_block(monkeypatch):
     for block in (7, 4096):
         monkeypatch.setattr(attention, "QUERY_BLOCK", block)
         cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(key_clip="none", value_clip="none", **SMALL))
-        out[block] = torch.cat([model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+        out[block] = torch.cat([model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], cache=cache).logits
                                 for a, b in [(0, 20), (20, 50), (50, 60)]], 1)
     assert torch.allclose(out[7], out[4096], atol=1e-5)
 
@@ -184,24 +255,47 @@ def test_the_handoff_survives_models_that_replace_the_key_tensor():
     logits = []
     for cls in (OscarCache, _CloningCache):
         cache = cls(model, rotations, OscarConfig(value_clip="none", **SMALL))
-        model(input_ids=ids[:, :30], past_key_values=cache)
-        logits.append(model(input_ids=ids[:, 30:], past_key_values=cache).logits)
+        model(input_ids=ids[:, :30], cache=cache)
+        logits.append(model(input_ids=ids[:, 30:], cache=cache).logits)
     assert torch.equal(logits[0], logits[1])
 
 
-def test_a_view_that_does_not_fit_its_attention_call_raises():
-    from oscar_hf.attention import oscar_attention_forward
-    from oscar_hf.cache import VIEW_KWARG
+def test_views_travel_only_in_the_attention_kwargs():
+    """The cache update hands the attention its view in the kwargs dict transformers passes to both (under
+    `cache.VIEW_KWARG`), and nowhere else: an attention call without it is plain sdpa whatever the cache holds, a
+    non-fused cache (sdpa model) puts none there, and a view that does not fit its call raises."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from oscar_hf.attention import oscar_attention_forward
+    from oscar_hf.cache import VIEW_KWARG, ChunkView, DecodeView
+
+    g = torch.Generator().manual_seed(9)
     model = tiny_model("llama")
-    cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(value_clip="none", **SMALL))
-    model(input_ids=torch.randint(3, VOCAB, (1, 20)), past_key_values=cache)
-    layer = cache.layers[0]
-    k = torch.randn(1, 2, 3, 16)
-    layer.update(k, k, fused=True, attention_kwargs={})
     attn = model.model.layers[0].self_attn
+    cache = OscarCache(model, OscarRotations.data_free(model, "hadamard"), OscarConfig(value_clip="none", **SMALL))
+    model(input_ids=torch.randint(3, VOCAB, (1, 20), generator=g), cache=cache)
+    k = torch.randn(1, 2, 3, 16, generator=g)
+    kwargs = {}
+    assert cache.update(k, k, 0, kwargs=kwargs)[0] is k  # fused: the new states as they are
+    view = kwargs[VIEW_KWARG]
+    assert isinstance(view, ChunkView) and view.layer is cache.layers[0]
+    assert (view.past_length, view.chunk_length, view.batch) == (20, 3, 1)
+    q = torch.randn(1, 4, 3, 16, generator=g)
+    out, _ = oscar_attention_forward(attn, q, k, k, None)  # no view: sdpa, though the layer has just been updated
+    assert torch.equal(out, sdpa_attention_forward(attn, q, k, k, None)[0])
+    fused, _ = oscar_attention_forward(attn, q, k, k, None, **kwargs)
+    assert fused.shape == out.shape and not torch.allclose(fused, out)  # the view: the stored past is attended
     with pytest.raises(RuntimeError, match="do not belong together"):
-        oscar_attention_forward(attn, torch.randn(1, 4, 1, 16), k, k, None, **{VIEW_KWARG: layer})
+        oscar_attention_forward(attn, torch.randn(1, 4, 1, 16), k, k, None, **kwargs)
+    step = {}
+    cache.update(k[:, :, :1], k[:, :, :1], 0, kwargs=step)
+    assert isinstance(step[VIEW_KWARG], DecodeView) and step[VIEW_KWARG].chunk_length == 1
+    plain = tiny_model("llama", attn="sdpa")
+    sdpa_cache = OscarCache(plain, OscarRotations.data_free(plain, "hadamard"), OscarConfig(value_clip="none", **SMALL))
+    plain(input_ids=torch.randint(3, VOCAB, (1, 20), generator=g), cache=sdpa_cache)
+    untouched = {}
+    keys, _ = sdpa_cache.update(k, k, 0, kwargs=untouched)
+    assert untouched == {} and keys.shape == (1, 2, 23, 16)  # the past dequantized, then the new states
 
 
 def test_long_chunks_in_query_blocks_equal_one_block(monkeypatch):
@@ -214,6 +308,6 @@ def test_long_chunks_in_query_blocks_equal_one_block(monkeypatch):
     for block in (4096, 16):
         monkeypatch.setattr(attention, "QUERY_BLOCK", block)
         cache = OscarCache(model, rotations, OscarConfig(value_clip="none", **SMALL))
-        model(input_ids=ids[:, :30], past_key_values=cache)
-        logits.append(model(input_ids=ids[:, 30:], past_key_values=cache).logits)  # 40 queries: 3 blocks of 16
+        model(input_ids=ids[:, :30], cache=cache)
+        logits.append(model(input_ids=ids[:, 30:], cache=cache).logits)  # 40 queries: 3 blocks of 16
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)

@@ -1,13 +1,22 @@
+"""OscarCache's storage, one OSCAR layer at a time: where tokens go (positions.py's state machine), what they are
+stored as (rotated, clipped, quantized as the format says), rollbacks, batch operations and accounting."""
+
 import pytest
 import torch
 
-from oscar_hf import OscarConfig
-from oscar_hf.cache import OscarLayer, claim_layer, rotate
+from conftest import tiny_config
+from oscar_hf import OscarCache, OscarConfig, OscarRotations
+from oscar_hf.cache import VIEW_KWARG, ChunkView, OscarLayer
+from oscar_hf.format import layer_format
+from oscar_hf.graphs import DecodeGraphs
+from oscar_hf.positions import PositionPlan
 from oscar_hf.quant import fake_quantize, fake_quantize_channels
+from oscar_hf.rotation import rotate
 
 H, D = 2, 16
 # token-wise keys (the paper's layout) and channel-wise keys (the default) at tiny windows and blocks
-SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip=0.9, value_clip=1.0, key_granularity="token")
+SMALL = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip=0.9, value_clip=1.0,
+                    key_granularity="token")
 CHANNEL = SMALL.replace(key_granularity="channel")
 
 
@@ -16,10 +25,19 @@ def _rotations(h=H, d=D, seed=0):
     return torch.linalg.qr(torch.randn(h, d, d, generator=g))[0], torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
 
 
-def _layer(config=SMALL, exact_rotation=False, **kw):
-    # With the identity, rotating is exact, so states built from differently chunked inputs can be compared bitwise.
-    rk, rv = (torch.eye(D).expand(H, D, D),) * 2 if exact_rotation else _rotations()
-    return OscarLayer(rk, rv, config.clip_ratio("key", None), config.clip_ratio("value", None), config, **kw)
+def _cache(config=SMALL, exact_rotation=False, key_blocks=None, max_cache_len=None, batch_layers=1):
+    """An OscarCache for a tiny Llama geometry (H KV heads of dim D) whose layers share these rotations. With the
+    identity, rotating is exact, so states built from differently chunked inputs can be compared bitwise."""
+    model_config = tiny_config("llama")
+    rot = OscarRotations.data_free(model_config, "identity" if exact_rotation else "hadamard")
+    if not exact_rotation:
+        rk, rv = _rotations()
+        rot.key_rotations = {layer: rk for layer in rot.layers}
+        rot.value_rotations = {layer: rv for layer in rot.layers}
+    if key_blocks is not None:
+        rot.key_blocks = {layer: key_blocks for layer in rot.layers}
+        rot.layout.update(key_block=config.key_block, demotion_block=config.demotion_block)
+    return OscarCache(model_config, rot, config, max_cache_len=max_cache_len)
 
 
 def _states(n, batch=1, seed=1, dtype=torch.float32):
@@ -27,51 +45,55 @@ def _states(n, batch=1, seed=1, dtype=torch.float32):
     return torch.randn(batch, H, n, D, generator=g).to(dtype), torch.randn(batch, H, n, D, generator=g).to(dtype)
 
 
-def _feed(layer, keys, values, sizes):
+def _feed(cache, keys, values, sizes):
+    """Feeds layer 0 (the first OSCAR layer: it advances the plan) chunk by chunk."""
     start = 0
     for n in sizes:
-        layer.update(keys[:, :, start : start + n], values[:, :, start : start + n])
+        cache.update(keys[:, :, start : start + n], values[:, :, start : start + n], 0)
         start += n
-    return layer
+    return cache
 
 
-def _past(layer):
-    return layer.stored_states()
+def _counts(cache):
+    return cache.plan.counts(cache.plan.current_length())
+
+
+def _past(cache):
+    return cache.layers[0].stored_states()
 
 
 def test_prefill_routes_tokens_to_sink_history_and_recent():
-    layer = _layer()
+    cache = _cache()
     k, v = _states(30)
-    out_k, out_v = layer.update(k, v)
+    out_k, out_v = cache.update(k, v, 0)
     # sink 4; the remaining 26 leave 8..11 in the recent window after demoting whole blocks of 4
-    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 16, 10)
-    assert layer.get_seq_length() == 30 and layer.get_mask_sizes(5) == (35, 0)
+    assert _counts(cache) == (4, 16, 10)
+    assert cache.get_seq_length() == 30 and cache.layers[0].get_mask_sizes(5) == (35, 0)
     # plain-attention path: the returned states of a first prefill are the exact inputs
     assert torch.allclose(out_k, k, atol=1e-6) and torch.allclose(out_v, v, atol=1e-6)
 
 
 def test_stored_past_is_rotated_clipped_and_quantized_exactly_as_specified():
-    layer = _layer()
+    cache = _feed(_cache(), *_states(30), [30])
     k, v = _states(30)
-    layer.update(k, v)
-    rk, rv = layer.key_rotation, layer.value_rotation
-    kr, vr = rotate(k, rk), rotate(v, rv)
-    past_k, past_v = _past(layer)
+    layer = cache.layers[0]
+    kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
+    past_k, past_v = _past(cache)
     assert torch.equal(past_k[:, :, :4], kr[:, :, :4]) and torch.equal(past_k[:, :, 20:], kr[:, :, 20:])
     assert torch.equal(past_k[:, :, 4:20], fake_quantize(kr[:, :, 4:20], 2, D, 0.9))
     assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))
 
 
 def test_channelwise_keys_are_quantized_per_channel_over_each_demoted_block():
-    layer = _layer(CHANNEL)
     k, v = _states(30)
     k = k * torch.linspace(0.1, 10, D) + torch.linspace(-5, 5, D)  # channels of very different offset and spread
-    layer.update(k, v)
+    cache = _feed(_cache(CHANNEL), k, v, [30])
+    layer = cache.layers[0]
     kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
-    past_k, past_v = _past(layer)
-    meta, codes = layer.history_keys.buffers["meta"], layer.history_keys.buffers["codes"]
+    past_k, past_v = _past(cache)
+    meta, codes = layer.storage.keys.meta, layer.storage.keys.codes
     # one slab of H rows (one block per head) per demoted block of 4 tokens
-    assert layer.history_keys.length == 16 and meta.shape[2:] == (H, D, 2) and meta.shape[1] * 4 == codes.shape[2]
+    assert _counts(cache)[1] == 16 and meta.shape[2:] == (H, D, 2) and meta.shape[1] * 4 == codes.shape[2]
     assert torch.equal(past_k[:, :, 4:20], fake_quantize_channels(kr[:, :, 4:20], 2, 4))
     assert not torch.equal(past_k[:, :, 4:20], fake_quantize(kr[:, :, 4:20], 2, D, 1.0))
     assert torch.equal(past_v[:, :, 4:20], fake_quantize(vr[:, :, 4:20], 2, D, 1.0))  # values stay token-wise
@@ -79,99 +101,117 @@ def test_channelwise_keys_are_quantized_per_channel_over_each_demoted_block():
 
 def test_each_kv_head_keeps_its_own_key_block():
     config = CHANNEL.replace(demotion_block=8, key_block=4)
-    layer = _layer(config, key_blocks=(8, 4))
+    cache = _cache(config, key_blocks=(8, 4))
     k, v = _states(37)
     k = k * torch.linspace(0.1, 10, D) + torch.linspace(-5, 5, D)
-    _feed(layer, k, v, [20, 1, 1, 15])  # a prefill, then demotions of whole chunks of 8 during decoding
+    _feed(cache, k, v, [20, 1, 1, 15])  # a prefill, then demotions of whole chunks of 8 during decoding
+    layer = cache.layers[0]
     kr = rotate(k, layer.key_rotation)
-    past_k, _ = _past(layer)
-    n = layer.history_keys.length
-    assert n == 24 and layer.history_keys.buffers["meta"].shape[2] == 1 + 2  # rows per chunk: 8/8 + 8/4
+    past_k, _ = _past(cache)
+    n = _counts(cache)[1]
+    assert n == 24 and layer.storage.keys.meta.shape[2] == 1 + 2  # rows per chunk: 8/8 + 8/4
     assert torch.equal(past_k[:, 0, 4 : 4 + n], fake_quantize_channels(kr[:, 0, 4 : 4 + n], 2, 8))
     assert torch.equal(past_k[:, 1, 4 : 4 + n], fake_quantize_channels(kr[:, 1, 4 : 4 + n], 2, 4))
-    # bytes in use: the codes, and 3 chunks x 3 meta rows x D channels x (scale, minimum) in float16
-    assert layer.history_keys.nbytes()[1] == n * H * D // 4 + 3 * 3 * D * 2 * 2
-
-
-def test_crop_into_a_channelwise_block_returns_its_tokens_to_the_window():
-    k, v = _states(30)
-    layer = _feed(_layer(CHANNEL, exact_rotation=True), k, v, [30])
-    before_k, before_v = _past(layer)
-    layer.crop(-12)  # 10 recent + 2 of the last history block: that block's other 2 tokens go back to the window
-    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 12, 2)
-    after_k, after_v = _past(layer)
-    assert torch.equal(after_k, before_k[:, :, :18]) and torch.equal(after_v, before_v[:, :, :18])
-    layer.update(k[:, :, 18:30], v[:, :, 18:30])  # refilled: whole blocks again, nothing lost or duplicated
-    assert layer.get_seq_length() == 30 and layer.history_keys.length % 4 == 0
+    # bytes holding the history: the codes, and 3 chunks x 3 meta rows x D channels x (scale, minimum) in float16
+    assert layer.storage.keys.nbytes(n) == n * H * D // 4 + 3 * 3 * D * 2 * 2
 
 
 @pytest.mark.parametrize("config", [SMALL, CHANNEL], ids=["token", "channel"])
 @pytest.mark.parametrize("sizes", [[1] * 41, [7] * 5 + [6], [3, 1, 20, 1, 1, 15], [41]])
 def test_state_does_not_depend_on_how_tokens_arrive(sizes, config):
     k, v = _states(41)
-    reference = _feed(_layer(config, exact_rotation=True), k, v, [41])
-    layer = _feed(_layer(config, exact_rotation=True), k, v, sizes)
-    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (
-        reference.n_sink, reference.history_keys.length, reference.n_recent)
-    for a, b in zip(_past(layer), _past(reference)):
+    reference = _feed(_cache(config, exact_rotation=True), k, v, [41])
+    cache = _feed(_cache(config, exact_rotation=True), k, v, sizes)
+    assert _counts(cache) == _counts(reference)
+    for a, b in zip(_past(cache), _past(reference)):
         assert torch.equal(a, b)
 
 
 def test_decode_demotes_in_blocks_and_keeps_the_window():
-    layer = _layer()
+    cache = _cache()
     k, v = _states(60)
     seen = []
     for t in range(60):
-        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        seen.append(layer.n_recent)
-        assert layer.history_keys.length % 4 == 0
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        n_sink, n_hist, n_recent = _counts(cache)
+        seen.append(n_recent)
+        assert n_hist % 4 == 0 and n_sink + n_hist + n_recent == t + 1
     assert max(seen[20:]) == 11 and min(seen[20:]) == 8
 
 
-def test_crop_with_past_recording_leaves_no_trace():
+@pytest.mark.parametrize("config", [SMALL, CHANNEL], ids=["token", "channel"])
+def test_a_rollback_of_up_to_a_block_and_one_token_leaves_no_trace(config):
+    """What assisted decoding does (candidates, then a crop): the state equals a run that never saw the removed
+    tokens, also when the removed tokens completed a demotion."""
     k, v = _states(40)
-    for keep in (30, 27, 25):
-        layer = _feed(_layer(exact_rotation=True), k, v, [25])
-        layer.activate_past_recording()
-        layer.update(k[:, :, 25:30], v[:, :, 25:30])  # candidates: not demoted while recording
-        assert layer.history_keys.length == _feed(_layer(), k, v, [25]).history_keys.length
-        layer.crop(keep - 30)
-        fresh = _feed(_layer(exact_rotation=True), k, v, [keep])
-        assert layer.get_seq_length() == keep
-        for a, b in zip(_past(layer), _past(fresh)):
+    for start, extra, keep in ((25, 5, 27), (25, 5, 25), (26, 6, 27), (30, 3, 28)):
+        cache = _feed(_cache(config, exact_rotation=True), k, v, [start])
+        cache.layers[0].activate_past_recording()
+        _feed_range(cache, k, v, start, start + extra)
+        cache.crop(keep - start - extra)
+        fresh = _feed(_cache(config, exact_rotation=True), k, v, [keep])
+        assert cache.get_seq_length() == keep and _counts(cache) == _counts(fresh)
+        for a, b in zip(_past(cache), _past(fresh)):
+            assert torch.equal(a, b)
+        _feed_range(cache, k, v, keep, 40)  # and it goes on as if nothing had happened
+        fresh = _feed(_cache(config, exact_rotation=True), k, v, [40])
+        for a, b in zip(_past(cache), _past(fresh)):
             assert torch.equal(a, b)
 
 
-def test_crop_reaches_into_history_and_sink():
-    layer = _feed(_layer(), *_states(30), [30])
-    layer.crop(-12)  # 10 recent + 2 history
-    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (4, 14, 0)
-    layer.crop(-16)
-    assert (layer.n_sink, layer.history_keys.length, layer.n_recent) == (2, 0, 0)
+def _feed_range(cache, k, v, start, end):
+    for t in range(start, end):
+        cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+
+
+def test_a_longer_rollback_returns_the_window_from_the_history_as_stored():
+    k, v = _states(30)
+    cache = _feed(_cache(CHANNEL, exact_rotation=True), k, v, [30])
+    before_k, before_v = _past(cache)
+    cache.crop(-12)  # 18 tokens: of their window [8, 18), the ring (16 slots) still holds [14, 18) exactly
+    assert _counts(cache) == (4, 4, 10)
+    after_k, after_v = _past(cache)
+    assert torch.equal(after_k[:, :, :14], before_k[:, :, :14]) and torch.equal(after_v[:, :, :14], before_v[:, :, :14])
+    assert torch.equal(after_k[:, :, 14:], k[:, :, 14:18]) and torch.equal(after_v[:, :, 14:], v[:, :, 14:18])
+    _feed(cache, k[:, :, 18:], v[:, :, 18:], [12])  # refilled: whole blocks again, nothing lost or duplicated
+    assert cache.get_seq_length() == 30 and _counts(cache) == (4, 16, 10)
+    cache.crop(-28)
+    assert _counts(cache) == (2, 0, 0) and torch.equal(_past(cache)[0], before_k[:, :, :2])
     with pytest.raises(ValueError, match="negative"):
-        layer.crop(3)
+        cache.crop(3)
 
 
-def test_beam_reorder_and_batch_ops_apply_to_all_three_segments():
+def test_beam_reorder_and_batch_ops_apply_to_every_buffer():
     k, v = _states(30, batch=3)
-    layer = _feed(_layer(), k, v, [30])
-    before_k, before_v = _past(layer)
+    cache = _feed(_cache(), k, v, [30])
+    before_k, before_v = _past(cache)
     idx = torch.tensor([2, 0, 0])
-    layer.reorder_cache(idx)
-    after_k, after_v = _past(layer)
+    cache.reorder_cache(idx)
+    after_k, after_v = _past(cache)
     assert torch.equal(after_k, before_k[idx]) and torch.equal(after_v, before_v[idx])
-    layer.batch_select_indices(torch.tensor([0]))
-    assert torch.equal(_past(layer)[0], before_k[[2]])
-    layer.batch_repeat_interleave(2)
-    assert torch.equal(_past(layer)[0], before_k[[2, 2]])
+    cache.batch_select_indices(torch.tensor([0]))
+    assert torch.equal(_past(cache)[0], before_k[[2]])
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(_past(cache)[0], before_k[[2, 2]])
 
 
-def test_reset_and_reuse():
-    layer = _feed(_layer(), *_states(30), [30])
-    layer.reset()
-    assert layer.get_seq_length() == 0 and not layer.is_initialized
-    _feed(layer, *_states(9, seed=5), [9])
-    assert layer.get_seq_length() == 9
+def test_reset_and_reuse_with_another_batch():
+    cache = _feed(_cache(), *_states(30), [30])
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    _feed(cache, *_states(9, batch=2, seed=5), [9])
+    assert cache.get_seq_length() == 9 and _past(cache)[0].shape[0] == 2
+    with pytest.raises(ValueError, match="holds a batch of 2 sequences, not 3"):
+        _feed(cache, *_states(1, batch=3), [1])
+
+
+def test_max_cache_len_is_a_limit():
+    cache = _cache(max_cache_len=20)
+    _feed(cache, *_states(20), [20])
+    with pytest.raises(ValueError, match="max_cache_len=20"):
+        _feed(cache, *_states(1), [1])
+    with pytest.raises(ValueError, match="max_cache_len must be a positive number"):
+        _cache(max_cache_len=0)
 
 
 @pytest.mark.parametrize("layout", ["paper", "default"])
@@ -183,99 +223,58 @@ def test_memory_at_128k_matches_the_accounting(layout):
     history_bits, exact_tokens = 2.375, 384
     if layout == "paper":
         config, history_bits, exact_tokens = config.replace(key_granularity="token", demotion_block=8), 2.25, 320
-    n = 131072
-    rk = torch.eye(128).expand(1, 128, 128)
-    layer = OscarLayer(rk, rk, 1.0, 1.0, config, max_cache_len=n)
-    k = torch.randn(1, 1, n, 128, dtype=torch.bfloat16)
+    n, d = 131072, 128
+    fmt = layer_format(config, 1, d)
+    plan = PositionPlan(config.sink_tokens, config.window_tokens, config.demotion_block, n)
+    rk = torch.eye(d).expand(1, d, d)
+    layer = OscarLayer(fmt, rk, rk, None, plan, DecodeGraphs())
+    k = torch.randn(1, 1, n, d, dtype=torch.bfloat16)
+    plan.advance(n)
     layer.update(k, k)
     m = layer.memory_bytes()
     used_bits = 8 * m["used"] / m["elements"]
-    assert layer.n_sink + layer.n_recent == exact_tokens
+    n_sink, _, n_recent = plan.counts(n)
+    assert n_sink + n_recent == exact_tokens
     assert used_bits == pytest.approx(history_bits + exact_tokens * (16 - history_bits) / n, rel=1e-9)
-    # allocated: the window's spare room for one more demotion block is all that is reserved beyond the used bytes
-    spare = config.demotion_block * 128 * 2 * 2 * 8 / m["elements"]
-    assert used_bits <= 8 * m["allocated"] / m["elements"] <= used_bits + spare + 1e-9
+    # allocated beyond the used bytes: the ring's room for rollbacks (R + 1 = W + 2b + 1 slots) and the scratch sink
+    # slot in BF16, and history rows for the window's tokens (their values are quantized on arrival)
+    spare_slots = plan.ring + 1 + 1 - n_recent
+    spare_rows = n - config.sink_tokens - plan.history_rows(n) + config.demotion_block
+    bound = (spare_slots * 2 * d * 2 + spare_rows * 2 * d) * 8 / m["elements"] + 16 * 2 * 2 * 8 * spare_rows / m["elements"]
+    assert used_bits <= 8 * m["allocated"] / m["elements"] <= used_bits + bound
 
 
 def test_bits_16_keeps_a_dense_history():
-    layer = _layer(OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip="none", value_clip="none"))
+    config = OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip="none",
+                         value_clip="none")
     k, v = _states(30)
-    layer.update(k, v)
-    past_k, _ = _past(layer)
-    assert torch.allclose(past_k, rotate(k, layer.key_rotation), atol=0)
+    cache = _feed(_cache(config), k, v, [30])
+    assert torch.allclose(_past(cache)[0], rotate(k, cache.layers[0].key_rotation), atol=0)
 
 
 def test_non_finite_states_are_refused():
     k, v = _states(10)
     v[0, 0, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
-        _layer().update(k, v)
+        _cache().update(k, v, 0)
 
 
 def test_wrong_head_count_is_refused():
     k = torch.randn(1, 3, 5, D)
     with pytest.raises(ValueError, match="3 KV heads"):
-        _layer().update(k, k)
+        _cache().update(k, k, 0)
 
 
-class _Module:
-    def __init__(self, layer_idx):
-        self.layer_idx = layer_idx
-
-
-def test_fused_update_hands_the_layer_to_its_attention_call_through_the_shared_kwargs():
-    layer = _layer()
+def test_a_fused_update_hands_its_view_to_the_attention_call_through_the_shared_kwargs_only():
+    cache = _cache()
+    cache._text_config._attn_implementation = "oscar"
     k, v = _states(6)
     attention_kwargs = {"position_ids": None}
-    rk, rv = layer.update(k, v, fused=True, layer_idx=3, attention_kwargs=attention_kwargs)
+    rk, rv = cache.update(k, v, 0, kwargs=attention_kwargs)
     assert rk is k and rv is v
-    # the attention call receives a copy of the kwargs (**kwargs): the layer travels in it, whatever the key tensor
-    assert claim_layer(_Module(3), dict(attention_kwargs)) is layer
-    view = layer.take_view()
-    assert view.past_length == 0 and view.original_keys is k
-
-
-def test_without_shared_kwargs_the_layer_waits_under_its_layer_index():
-    layer = _layer()
-    k, v = _states(6)
-    layer.update(k, v, fused=True, layer_idx=5)
-    assert claim_layer(_Module(4), {}) is None  # another layer's attention: not this view
-    assert claim_layer(_Module(5), {}) is layer
-    assert claim_layer(_Module(5), {}) is None  # consumed once
-    layer.take_view()
-
-
-def test_a_view_left_by_an_interrupted_pass_is_dropped_not_used():
-    layer = _layer()
-    k, v = _states(6)
-    layer.update(k, v, fused=True, layer_idx=0)  # ...and the forward pass died before its attention call
-    with pytest.warns(RuntimeWarning, match="interrupted"):  # a later call of another shape (another cache)
-        assert claim_layer(_Module(0), {}, torch.zeros(1, 4, 3, D)) is None
-    layer.update(k[:, :, :1], v[:, :, :1], fused=True, layer_idx=0)
-    assert claim_layer(_Module(0), {}, torch.zeros(1, 4, 1, D)).take_view().chunk_length == 1
-
-
-def test_an_unused_view_is_reported_and_dropped():
-    layer = _layer()
-    k, v = _states(6)
-    layer.update(k, v, fused=True, layer_idx=0)
-    with pytest.warns(RuntimeWarning, match="never used"):
-        layer.update(k[:, :, :1], v[:, :, :1], fused=True, layer_idx=0)
-    assert claim_layer(_Module(0), {}).take_view().chunk_length == 1
-
-
-def test_reset_ends_past_recording_and_recording_ends_without_crops():
-    k, v = _states(60)
-    layer = _feed(_layer(), k, v, [20])
-    layer.activate_past_recording()
-    layer.update(k[:, :, 20:25], v[:, :, 20:25])  # a verification step of assisted decoding...
-    layer.crop(-2)  # ...always followed by a crop
-    recorded = layer.n_recent
-    layer.update(k[:, :, 23:26], v[:, :, 23:26])
-    assert layer.record_past and layer.n_recent == recorded + 3  # still recording: nothing demoted
-    for t in range(26, 60):  # plain decoding afterwards: no crops, so recording ends and demotion resumes
-        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-    assert not layer.record_past and layer.n_recent <= 8 + 3
-    layer.activate_past_recording()
-    layer.reset()
-    assert not layer.record_past and not layer.is_initialized
+    view = attention_kwargs[VIEW_KWARG]
+    assert isinstance(view, ChunkView) and view.past_length == 0 and view.original_keys is k
+    # a direct update (the public Cache API, no attention call after it) returns the stored states and leaves nothing
+    # behind for a later attention call to pick up
+    keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)
+    assert keys.shape == (1, H, 7, D) and torch.allclose(keys[:, :, :6], k, atol=1e-5)

@@ -5,15 +5,16 @@ import torch
 
 from conftest import VOCAB, char_tokenizer, tiny_model
 from transformers import DynamicCache
-from oscar_hf import OscarCache, OscarConfig, OscarRotations, UnsupportedModelError
-from oscar_hf.calibrate import StatisticsCollector, attention_column_energy, calibrate, capturing
+from oscar_hf import CalibrationConfig, OscarCache, OscarConfig, OscarRotations, UnsupportedModelError
+from oscar_hf.calibrate import RotationTargets, StatisticsCollector, attention_column_energy, calibrate, capturing
 from oscar_hf.models import model_geometry
 from oscar_hf.rotation import hadamard, orthogonality_error
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
-SMALL = dict(calibration_tokens=256, calibration_sequence_length=128, heldout_tokens=64, sink_tokens=4,
-             window_tokens=8, demotion_block=4, key_block=4, clip_grid=(0.7, 0.85, 1.0))
+SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4)
+LAYOUT = OscarConfig(**SMALL)
+CAL = CalibrationConfig(tokens=256, sequence_length=128, heldout_tokens=64, clip_grid=(0.7, 0.85, 1.0))
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def text_file(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_calibrate_end_to_end(family, text_file):
     model = tiny_model(family, attn="sdpa")
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
     assert rot.layers == list(model_geometry(model.config).oscar_layers)
     for table in (rot.key_rotations, rot.value_rotations):
         for r in table.values():
@@ -41,7 +42,7 @@ def test_calibrate_end_to_end(family, text_file):
     # and the rotations drive a cache
     model.set_attn_implementation("oscar")
     ids = torch.randint(4, 100, (1, 40))
-    model.generate(ids, max_new_tokens=5, past_key_values=OscarCache(model, rot, OscarConfig(**SMALL)), pad_token_id=0)
+    model.generate(ids, max_new_tokens=5, cache=OscarCache(model, rot, LAYOUT), pad_token_id=0)
 
 
 def test_column_energy_matches_the_dense_computation():
@@ -83,17 +84,18 @@ def test_streaming_statistics_equal_a_direct_computation(text_file):
 def test_ablation_options(text_file):
     model = tiny_model("llama", attn="sdpa")
     tok = char_tokenizer()
-    base = calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False)
-    shared = calibrate(model, tok, data=str(text_file), config=OscarConfig(per_head=False, **SMALL), progress=False,
-                       statistics=base.statistics)
+    base = calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
+    shared = calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False,
+                       statistics=base.statistics, targets=RotationTargets(per_head=False))
     for r in shared.key_rotations.values():
         assert torch.equal(r[0], r[1])
-    ident = calibrate(model, tok, data=str(text_file), config=OscarConfig(key_target="identity", value_target="hadamard", **SMALL),
-                      progress=False, statistics=base.statistics)
+    ident = calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False,
+                      statistics=base.statistics, targets=RotationTargets("identity", "hadamard"))
     assert torch.allclose(ident.key_rotations[0][0], torch.eye(16))
     assert torch.allclose(ident.value_rotations[0][0].abs(), hadamard(16).abs().float())
     # reusing statistics gives the same rotations as recomputing them
-    again = calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False, statistics=base.statistics)
+    again = calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False,
+                      statistics=base.statistics)
     assert torch.equal(again.key_rotations[1], base.key_rotations[1])
 
 
@@ -105,32 +107,34 @@ def test_unsupported_architecture_is_refused_before_running(text_file):
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1,
         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8))
     with pytest.raises(UnsupportedModelError, match="latent attention"):
-        calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+        calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
 
 
 def test_bad_inputs_are_reported(text_file, tmp_path):
     model = tiny_model("llama", attn="sdpa")
     tok = char_tokenizer()
     with pytest.raises(ValueError, match="text has .* tokens but"):
-        calibrate(model, tok, data=str(text_file), config=OscarConfig(**{**SMALL, "calibration_tokens": 100_000}), progress=False)
+        calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL.replace(tokens=100_000),
+                  progress=False)
     with pytest.raises(ValueError, match="heldout_tokens"):
-        calibrate(model, tok, data=str(text_file), config=OscarConfig(**{**SMALL, "heldout_tokens": 10}), progress=False)
+        calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL.replace(heldout_tokens=10),
+                  progress=False)
     with pytest.raises(FileNotFoundError, match="neither a file"):
-        calibrate(model, tok, data=str(tmp_path / "missing.txt"), config=OscarConfig(**SMALL), progress=False)
+        calibrate(model, tok, data=str(tmp_path / "missing.txt"), config=LAYOUT, calibration=CAL, progress=False)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"content": "x"}]))
     with pytest.raises(ValueError, match="'text' field"):
-        calibrate(model, tok, data=str(bad), config=OscarConfig(**SMALL), progress=False)
+        calibrate(model, tok, data=str(bad), config=LAYOUT, calibration=CAL, progress=False)
     with torch.no_grad():
         model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match="layer 1 produced non-finite"):
-        calibrate(model, tok, data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+        calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
 
 
 def test_jsonl_data_and_recorded_description(tmp_path):
     path = tmp_path / "calib.jsonl"
     path.write_text("\n".join(json.dumps({"text": TEXT[i : i + 2000]}) for i in range(0, 8000, 2000)))
-    rot = calibrate(tiny_model("qwen2", attn="sdpa"), char_tokenizer(), data=str(path), config=OscarConfig(**SMALL), progress=False)
+    rot = calibrate(tiny_model("qwen2", attn="sdpa"), char_tokenizer(), data=str(path), config=LAYOUT, calibration=CAL, progress=False)
     assert rot.metadata["calibration"]["data"]["documents"] == 4
 
 
@@ -142,14 +146,14 @@ def test_device_map_models_calibrate(tmp_path, text_file):
     device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map, offload_folder=str(tmp_path / "off"))
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
     assert rot.layers == [0, 1, 2]
 
 
 def test_without_heldout_tokens_channelwise_keys_stay_unrotated(text_file):
     model, tok = tiny_model("llama"), char_tokenizer()
-    config = OscarConfig(calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=0)
-    rotations = calibrate(model, tok, data=str(text_file), config=config, progress=False)
+    calibration = CalibrationConfig(tokens=512, sequence_length=256, heldout_tokens=0)
+    rotations = calibrate(model, tok, data=str(text_file), calibration=calibration, progress=False)
     for rotation in rotations.key_rotations.values():
         assert torch.equal(rotation, torch.eye(rotation.shape[-1]).expand_as(rotation))
     assert set(rotations.metadata["key_basis"]["chosen"]["0"]) == {"identity"}
@@ -174,11 +178,6 @@ def test_the_key_basis_choice_keeps_the_basis_with_the_lower_heldout_error():
     assert names[0] == "identity" and torch.equal(rotation[0], candidates["identity"][0])
     shared, shared_names = choose_key_basis(candidates, errors, per_head=False)
     assert shared_names[0] == shared_names[1] and torch.equal(shared[0], shared[1])
-    # a preference for the data-free H·P keeps it unless another basis is better by more than the factor
-    ratio = float(errors["hadamard"][0] / min(errors[n][0] for n in errors))
-    _, lenient = choose_key_basis(candidates, errors, hadamard_preference=ratio * 1.01)
-    _, strict = choose_key_basis(candidates, errors, hadamard_preference=ratio * 0.99)
-    assert lenient[0] == "hadamard" and strict[0] == names[0]
 
 
 def test_key_block_allocation_is_the_exact_optimum_within_the_budget():
@@ -187,10 +186,11 @@ def test_key_block_allocation_is_the_exact_optimum_within_the_budget():
     from oscar_hf.calibrate import allocate_key_blocks
 
     config = OscarConfig()  # chunks of 128, blocks 32 / 64 / 128 at the metadata of 64 everywhere
+    choices = CalibrationConfig().key_block_choices(config)
     g = torch.Generator().manual_seed(3)
     for trial in range(20):
         errors = {layer: {b: torch.rand(2, generator=g) * (1 + b / 64) for b in (32, 64, 128)} for layer in (0, 3)}
-        chosen = allocate_key_blocks(errors, config)
+        chosen = allocate_key_blocks(errors, config, choices)
         rows = lambda blocks: sum(128 // b for b in blocks)  # noqa: E731
         total = lambda blocks: sum(float(errors[l][b][h]) for (l, h), b in zip([(0, 0), (0, 1), (3, 0), (3, 1)], blocks))  # noqa: E731
         feasible = [c for c in itertools.product((32, 64, 128), repeat=4) if rows(c) <= 4 * 2]
@@ -199,7 +199,7 @@ def test_key_block_allocation_is_the_exact_optimum_within_the_budget():
     # three heads whose error falls evenly with the metadata rows: one head at 32 and two at 128 (error 1 + 2 + 2)
     # lose to 64 everywhere (1.5 x 3)
     even = {0: {32: torch.full((3,), 1.0), 64: torch.full((3,), 1.5), 128: torch.full((3,), 2.0)}}
-    assert allocate_key_blocks(even, config) == {0: (64, 64, 64)}
+    assert allocate_key_blocks(even, config, choices) == {0: (64, 64, 64)}
 
 
 def test_key_block_allocation_spends_a_larger_key_budget_exactly():
@@ -207,41 +207,43 @@ def test_key_block_allocation_spends_a_larger_key_budget_exactly():
 
     from oscar_hf.calibrate import allocate_key_blocks
 
-    config = OscarConfig()
+    config, calibration = OscarConfig(), CalibrationConfig()
+    choices = calibration.key_block_choices(config)
     # Gemma 3's case: three layers of one KV head at head_dim 256 may spend 2.875 key bits: int(3 * 0.875 * 128 / 32)
     # = 10 metadata rows per chunk, i.e. two heads at 32 (4 rows each) and one at 64 (2 rows)
     errors = {layer: {32: torch.tensor([1.0 + e]), 64: torch.tensor([2.0 + e]), 128: torch.tensor([4.0 + e])}
               for layer, e in ((5, 0.3), (11, 0.1), (17, 0.2))}
-    blocks = allocate_key_blocks(errors, config, config.allocation_key_bits(256))
+    blocks = allocate_key_blocks(errors, config, choices, calibration.allocation_key_bits(config, 256))
     assert sorted(b for bl in blocks.values() for b in bl) == [32, 32, 64]
     g = torch.Generator().manual_seed(5)
     for trial in range(10):
         errors = {layer: {b: torch.rand(1, generator=g) * b for b in (32, 64, 128)} for layer in (0, 1, 2)}
-        flat = [b for bl in allocate_key_blocks(errors, config, 2.875).values() for b in bl]
+        flat = [b for bl in allocate_key_blocks(errors, config, choices, 2.875).values() for b in bl]
         total = lambda c: sum(float(errors[l][b][0]) for l, b in zip((0, 1, 2), c))  # noqa: E731
         feasible = [c for c in itertools.product((32, 64, 128), repeat=3) if sum(128 // b for b in c) <= 10]
         assert sum(128 // b for b in flat) <= 10 and total(flat) == pytest.approx(min(map(total, feasible)), abs=1e-12)
     with pytest.raises(ValueError, match="below the coarsest key block"):
-        allocate_key_blocks(errors, config, 2.1)
+        allocate_key_blocks(errors, config, choices, 2.1)
 
 
 def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_file, tmp_path, monkeypatch):
     import oscar_hf.calibrate as calibration
 
     model = tiny_model("llama", attn="sdpa")
-    config = OscarConfig(**{**SMALL, "demotion_block": 32, "key_block": 16})  # choices 16, 32, 8
+    config = LAYOUT.replace(demotion_block=32, key_block=16)  # choices 16, 32, 8
     # the tiny model has 3 layers x 2 KV heads: too few to allocate between by default
-    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False).key_blocks is None
+    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, calibration=CAL,
+                     progress=False).key_blocks is None
     # ... unless the budget exceeds key_block everywhere: then no head gives up bits, and it allocates within it
     d = model_geometry(model.config).head_dim
-    richer = config.replace(allocation_history_bits=config.history_bits_per_element(d) + 0.25)
-    rich = calibrate(model, char_tokenizer(), data=str(text_file), config=richer, progress=False)
+    richer = CAL.replace(allocation_history_bits=CAL.history_bits_per_element(config, d) + 0.25)
+    rich = calibrate(model, char_tokenizer(), data=str(text_file), config=config, calibration=richer, progress=False)
     assert rich.key_blocks is not None
     info = rich.metadata["key_block_allocation"]
-    assert info["budget_key_bits"] == pytest.approx(richer.allocation_key_bits(d), abs=1e-4)
-    assert config.allocation_key_bits(d) < info["average_key_bits"] <= info["budget_key_bits"] + 1e-9
+    assert info["budget_key_bits"] == pytest.approx(richer.allocation_key_bits(config, d), abs=1e-4)
+    assert CAL.allocation_key_bits(config, d) < info["average_key_bits"] <= info["budget_key_bits"] + 1e-9
     monkeypatch.setattr(calibration, "MIN_ALLOCATION_HEADS", 6)
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, calibration=CAL, progress=False)
     assert set(rot.key_blocks) == set(rot.layers)
     blocks = [b for layer in rot.layers for b in rot.key_blocks[layer]]
     assert set(blocks) <= {8, 16, 32} and sum(32 // b for b in blocks) <= 2 * len(blocks)  # within the budget
@@ -253,13 +255,11 @@ def test_calibration_allocates_key_blocks_per_head_and_the_cache_uses_them(text_
     assert loaded.key_blocks == rot.key_blocks and loaded.layout["demotion_block"] == 32
     model.set_attn_implementation("oscar")
     cache = OscarCache(model, loaded)
-    assert [cache.layers[l].key_layout.blocks for l in rot.layers] == [rot.key_blocks[l] for l in rot.layers]
-    uniform = OscarCache(model, loaded, loaded_config := OscarConfig(**{**loaded.layout, "key_block_allocation": "uniform"}))
-    assert uniform.layers[0].key_layout.blocks == (16, 16) and loaded_config.key_block == 16
+    assert [cache.layers[l].fmt.keys.blocks for l in rot.layers] == [rot.key_blocks[l] for l in rot.layers]
     # another key budget than the file's allocation was made for: that budget everywhere, and a warning says so
     with pytest.warns(RuntimeWarning, match="key_block=32 vs 16"):
-        coarser = OscarCache(model, loaded, OscarConfig(**{**loaded.layout, "key_block": 32}))
-    assert all(coarser.layers[l].key_layout.blocks == (32, 32) for l in rot.layers)
+        coarser = OscarCache(model, loaded, config.replace(key_block=32))
+    assert all(coarser.layers[l].fmt.keys.blocks == (32, 32) for l in rot.layers)
 
 
 def test_retrieval_probe_scores_the_head_that_attends_to_the_token_after_the_earlier_occurrence():
@@ -289,24 +289,27 @@ def test_retrieval_probe_scores_the_head_that_attends_to_the_token_after_the_ear
 def test_wide_heads_fill_the_history_bit_budget_in_order_of_retrieval_score():
     from oscar_hf.calibrate import allocate_wide_heads
 
-    config = OscarConfig()
+    config, budget = OscarConfig(), CalibrationConfig().wide_budget
     scores = {0: torch.tensor([0.1, 0.9, 0.2]), 1: torch.tensor([0.5, 0.0, 0.8]), 2: torch.tensor([0.3, 0.4, 0.05])}
     # head_dim 64: history 2.5 (keys 2.5, values 2.5), budget 2.75: int(0.25 * 9 / 2) = 1 wide head
-    assert allocate_wide_heads(scores, config, 64) == {0: (2, 4, 2), 1: (2, 2, 2), 2: (2, 2, 2)}
-    richer = config.replace(wide_history_bits=3.2)  # int(0.7 * 9 / 2) = 3
-    assert allocate_wide_heads(scores, richer, 64) == {0: (2, 4, 2), 1: (4, 2, 4), 2: (2, 2, 2)}
+    assert allocate_wide_heads(scores, config, 64, budget(64)) == {0: (2, 4, 2), 1: (2, 2, 2), 2: (2, 2, 2)}
+    # a budget of 3.2: int(0.7 * 9 / 2) = 3
+    assert allocate_wide_heads(scores, config, 64, 3.2) == {0: (2, 4, 2), 1: (4, 2, 4), 2: (2, 2, 2)}
     # finer key blocks already spend bits: (2.5 + 3 + 2.25 ... ) averaged, less left for wide heads
     blocks = {layer: (32, 32, 32) for layer in scores}  # keys 3 bits: history 2.75, nothing left at 2.75
-    assert allocate_wide_heads(scores, config, 64, blocks) is None
-    assert allocate_wide_heads(scores, config, 128) is None  # 2.375 -> 2.4375: int(0.0625 * 9 / 2) = 0
+    assert allocate_wide_heads(scores, config, 64, budget(64), blocks) is None
+    assert allocate_wide_heads(scores, config, 128, budget(128)) is None  # 2.375 -> 2.4375: int(0.0625 * 9 / 2) = 0
 
 
 def test_calibration_keeps_the_retrieval_heads_wide_and_the_cache_stores_them_at_4_bits(text_file, tmp_path):
     model = tiny_model("llama", attn="sdpa")
     # head_dim 16, key blocks of 16: keys 2 + 32/16 and values 2 + 32/16 bits, a history of 4
-    config = OscarConfig(**{**SMALL, "demotion_block": 16, "key_block": 16, "key_block_allocation": "uniform"})
-    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False).head_bits is None
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config.replace(wide_history_bits=4.75),
+    config = LAYOUT.replace(demotion_block=16, key_block=16)
+    calibration = CAL.replace(key_block_allocation="uniform")
+    assert calibrate(model, char_tokenizer(), data=str(text_file), config=config, calibration=calibration,
+                     progress=False).head_bits is None
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config,
+                    calibration=calibration.replace(wide_history_bits=4.75),
                     progress=False)  # int((4.75 - 4) * 6 / 2) = 2 of the 6 (layer, KV head)s
     assert sum(b == 4 for bits in rot.head_bits.values() for b in bits) == 2 and len(rot.wide_heads) == 2
     info = rot.metadata["wide_heads"]
@@ -319,17 +322,20 @@ def test_calibration_keeps_the_retrieval_heads_wide_and_the_cache_stores_them_at
     model.set_attn_implementation("oscar")
     ids = torch.randint(3, VOCAB, (1, 80), generator=torch.Generator().manual_seed(2))
     errors = {}
-    for name, cfg in (("wide", None), ("none", OscarConfig(**{**loaded.layout, **SMALL, "demotion_block": 16,
-                                                                  "key_block": 16, "wide_heads": "none"}))):
-        cache = OscarCache(model, loaded, cfg)
-        model(input_ids=ids, past_key_values=cache)
+    for name, cfg in (("wide", None), ("none", config.replace(group_size=8))):  # a layout that holds no wide head
+        if cfg is None:
+            cache = OscarCache(model, loaded, cfg)
+        else:
+            with pytest.warns(RuntimeWarning, match="4-bit wide heads are not stored by this layout"):
+                cache = OscarCache(model, loaded, cfg)
+        model(input_ids=ids, cache=cache)
         layer, head = loaded.wide_heads[0]
-        exact = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).past_key_values.layers[layer]
+        exact = model(input_ids=ids, cache=DynamicCache(config=model.config)).past_key_values.layers[layer]
         keys, _ = cache.layers[layer].stored_states()
         stored = keys[:, head, 4:-24].float() @ cache.layers[layer].key_rotation[head].float().T
         errors[name] = (stored - exact.keys[:, head, 4:-24].float()).abs().mean().item()
         if name == "wide":
-            assert cache.layers[layer].history_keys.buffers["codes"].shape[1] == 2 + len(
+            assert cache.layers[layer].storage.keys.codes.shape[1] == 2 + len(
                 [h for h in range(2) if loaded.head_bits[layer][h] == 4])
     assert errors["wide"] < errors["none"] / 3  # the wide head's history is 4-bit
 
@@ -338,7 +344,8 @@ def test_water_filling_gives_the_bits_to_channels_whose_queries_look_and_whose_k
     """Greedy reverse water-filling at 2 bits per channel: a channel with query energy and key spread gets 4 bits, a
     channel no query reads (or whose keys are constant) gets 0; the budget is spent exactly and the order is
     [4-bit | 2-bit | 0-bit] with as many 0-bit channels as 4-bit ones."""
-    from oscar_hf.calibrate import CHANNEL_WIDTHS, channel_width_errors, water_fill, wide_channel_order
+    from oscar_hf.calibrate import CHANNEL_WIDTHS, channel_width_errors, water_fill
+    from oscar_hf.format import wide_channel_permutation as wide_channel_order
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 256, 8, generator=g) * torch.tensor([4.0, 1, 1, 1, 1, 1, 1, 1])
@@ -368,9 +375,9 @@ def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_fil
     the file keeps the counts (format 6), a cache built from the file alone uses them, and what it stores is each
     channel at its width (4-bit channels finer, 0-bit channels their block means)."""
     model = tiny_model("llama", attn="sdpa")
-    config = OscarConfig(**{**SMALL, "demotion_block": 16, "key_block": 16, "key_block_allocation": "uniform",
-                            "key_channel_bits": "fitted"})
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
+    config = LAYOUT.replace(demotion_block=16, key_block=16)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config,
+                    calibration=CAL.replace(key_block_allocation="uniform"), progress=False)
     assert set(rot.key_wide_channels) == set(rot.layers) and any(n for c in rot.key_wide_channels.values() for n in c)
     for layer in rot.layers:
         r = rot.key_rotations[layer]
@@ -381,17 +388,16 @@ def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_fil
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.key_wide_channels == rot.key_wide_channels
     model.set_attn_implementation("oscar")
-    assert OscarCache(model, loaded).oscar_config.key_channel_bits == "fitted"  # the file's layout and widths
-    small = {**loaded.layout, **SMALL, "demotion_block": 16, "key_block": 16}
-    cache = OscarCache(model, loaded, OscarConfig(**small, key_channel_bits="fitted"))
+    cache = OscarCache(model, loaded, config)
     ids = torch.randint(3, VOCAB, (1, 80), generator=torch.Generator().manual_seed(2))
-    model(input_ids=ids, past_key_values=cache)
-    exact = model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).past_key_values
+    model(input_ids=ids, cache=cache)
+    exact = model(input_ids=ids, cache=DynamicCache(config=model.config)).past_key_values
     layer = max(rot.layers, key=lambda l: max(rot.key_wide_channels[l]))
     head = max(range(2), key=lambda h: rot.key_wide_channels[layer][h])
     n = rot.key_wide_channels[layer][head]
     lay = cache.layers[layer]
-    assert lay.history_keys.wide_channels[head] == n
+    assert lay.fmt.keys.wide_channels[head] == n
+    assert OscarCache(model, loaded).layers[layer].fmt.keys.wide_channels == rot.key_wide_channels[layer]  # the file's
     keys, _ = lay.stored_states()
     stored = keys[0, head, 4:68].float()  # the history: 4 chunks of 16 after the sink
     want = exact.layers[layer].keys[0, head, 4:68].float() @ lay.key_rotation[head].float()
@@ -400,8 +406,8 @@ def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_fil
                           atol=2e-2)  # 0-bit channels: block means (fp16 metadata, bf16-free float32 model)
     err = (stored - want).abs().mean(0)
     assert err[:n].mean() < err[n:-n].mean() / 2  # 4-bit channels against 2-bit ones
-    with pytest.warns(RuntimeWarning, match="does not use"):
-        OscarCache(model, loaded, OscarConfig(**small, key_channel_bits="uniform"))
+    with pytest.warns(RuntimeWarning, match="wide key channels are not stored by this layout"):
+        OscarCache(model, loaded, config.replace(bits=4))
 
 
 def test_calibration_data_can_be_a_list_of_strings_and_bad_data_is_named():
@@ -417,5 +423,5 @@ def test_calibration_data_can_be_a_list_of_strings_and_bad_data_is_named():
     with pytest.raises(TypeError, match="not int"):
         load_texts(3)
     model = tiny_model("llama", attn="sdpa")
-    rot = calibrate(model, char_tokenizer(), data=[TEXT], config=OscarConfig(**SMALL), progress=False)
+    rot = calibrate(model, char_tokenizer(), data=[TEXT], config=LAYOUT, calibration=CAL, progress=False)
     assert rot.metadata["calibration"]["data"]["source"] == "in-memory documents"

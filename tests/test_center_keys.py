@@ -1,5 +1,5 @@
-"""Key centering (`OscarConfig.center_keys`): key means from calibration, stored with the rotations, subtracted by the
-cache before storage. Attention is unchanged (softmax invariance); INT2 error drops when keys carry a large mean."""
+"""Key centering (`CalibrationConfig.center_keys`): key means from calibration, stored with the rotations, subtracted
+by the cache before storage whenever the rotations carry them. Attention is unchanged (softmax invariance); INT2 error drops when keys carry a large mean."""
 
 import json
 
@@ -8,14 +8,14 @@ import torch
 from transformers import DynamicCache
 
 from conftest import char_tokenizer, rewrite_rotation_file, tiny_model
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import CalibrationConfig, OscarCache, OscarConfig
 from oscar_hf.calibrate import StatisticsCollector, calibrate, capturing
 from oscar_hf.models import model_geometry
 from oscar_hf.rotations_io import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, OscarRotations, RotationFileError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400
-SMALL = dict(calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16,
-             window_tokens=32, clip_grid=(0.8, 0.9, 1.0))
+LAYOUT = OscarConfig(sink_tokens=16, window_tokens=32)
+CALIBRATION = CalibrationConfig(tokens=512, sequence_length=256, heldout_tokens=384, clip_grid=(0.8, 0.9, 1.0))
 
 
 def biased_model(offset: float = 6.0, attn: str = "oscar"):
@@ -43,7 +43,7 @@ def centered_data_free(model, means=None, kind="hadamard"):
 def logits_through(model, cache, ids, schedule=(40, 16, 1, 1, 1)):
     out, pos = [], 0
     for n in schedule:
-        out.append(model(input_ids=ids[:, pos : pos + n], past_key_values=cache, use_cache=True).logits)
+        out.append(model(input_ids=ids[:, pos : pos + n], cache=cache, use_cache=True).logits)
         pos += n
     return torch.cat(out, dim=1)
 
@@ -58,13 +58,14 @@ def text_file(tmp_path):
 # ----------------------------------------------------------------------------------------------- calibration
 def test_calibrated_means_are_the_true_key_means(text_file):
     model = biased_model(attn="sdpa")
-    config = OscarConfig(center_keys=True, **SMALL)
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=config, progress=False)
+    calibration = CALIBRATION.replace(center_keys=True)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=calibration,
+                    progress=False)
     assert rot.center_keys
     # Direct computation: capture the same calibration sequences' keys and average them.
     from oscar_hf.calibrate import calibration_sequences
 
-    sequences, _, _ = calibration_sequences(char_tokenizer(), config, str(text_file))
+    sequences, _, _ = calibration_sequences(char_tokenizer(), calibration, str(text_file))
     geometry = model_geometry(model.config)
     keys: dict[int, list] = {}
 
@@ -80,8 +81,8 @@ def test_calibrated_means_are_the_true_key_means(text_file):
         assert rot.key_means[layer].shape == (2, 16)
         torch.testing.assert_close(rot.key_means[layer].double(), expected, atol=1e-5, rtol=1e-5)
     # Value clips do not see μ (same probabilities); the query-target rotations do not either.
-    plain = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False,
-                      statistics=rot.statistics)
+    plain = calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=CALIBRATION,
+                      progress=False, statistics=rot.statistics)
     assert plain.key_means is None and plain.value_clips == rot.value_clips
     for layer in geometry.oscar_layers:
         torch.testing.assert_close(plain.key_rotations[layer], rot.key_rotations[layer])
@@ -89,7 +90,8 @@ def test_calibrated_means_are_the_true_key_means(text_file):
 
 def test_calibration_without_centering_has_no_means(text_file):
     model = tiny_model("llama", attn="sdpa")
-    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=OscarConfig(**SMALL), progress=False)
+    rot = calibrate(model, char_tokenizer(), data=str(text_file), config=LAYOUT, calibration=CALIBRATION,
+                    progress=False)
     assert rot.key_means is None and not rot.center_keys
 
 
@@ -161,18 +163,21 @@ def test_nan_mean_and_inconsistent_files_are_rejected(tmp_path):
         OscarRotations.from_pretrained(tmp_path / "b")
 
 
-def test_config_asking_for_centering_needs_means():
+def test_the_cache_centers_exactly_when_the_rotations_carry_means():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="center_keys is True but the rotations carry no key means"):
-        OscarCache(model, OscarRotations.data_free(model.config), OscarConfig(center_keys=True))
-    OscarCache(model, centered_data_free(model), OscarConfig(center_keys=True, key_clip="none", value_clip="none"))
+    config = OscarConfig(key_clip="none", value_clip="none")
+    ids = torch.randint(4, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    for rotations, centered in ((OscarRotations.data_free(model.config), False), (centered_data_free(model), True)):
+        cache = OscarCache(model, rotations, config)
+        model(input_ids=ids, cache=cache)
+        assert (cache.layers[0].key_mean is not None) == centered
 
 
 # ----------------------------------------------------------------------------------------------- cache
 @pytest.mark.parametrize("attn", ["oscar", "sdpa"])
 @pytest.mark.parametrize("config", [
-    OscarConfig(bits=16, sink_tokens=4, window_tokens=8, key_clip="none", value_clip="none", center_keys=True),
-    OscarConfig(bits=2, sink_tokens=0, window_tokens=256, key_clip="none", value_clip="none", center_keys=True),
+    OscarConfig(bits=16, sink_tokens=4, window_tokens=8, key_clip="none", value_clip="none"),
+    OscarConfig(bits=2, sink_tokens=0, window_tokens=256, key_clip="none", value_clip="none"),
 ], ids=["bits16", "window-covers"])
 def test_centered_cache_matches_dynamic_cache(attn, config):
     model = biased_model(attn=attn)
@@ -184,7 +189,7 @@ def test_centered_cache_matches_dynamic_cache(attn, config):
     torch.testing.assert_close(got, reference, atol=2e-4, rtol=2e-4)
     # The cache really stores (k − μ)·R (nothing of layer 0 is quantized in either config).
     dyn = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=dyn, use_cache=True)
+    model(input_ids=ids, cache=dyn, use_cache=True)
     stored, _ = cache.layers[0].stored_states()
     mu = rotations.key_means[0][None, :, None, :]
     torch.testing.assert_close(stored, torch.matmul(dyn.layers[0].keys - mu, rotations.key_rotations[0]),
@@ -192,7 +197,7 @@ def test_centered_cache_matches_dynamic_cache(attn, config):
     # Greedy generation is token-identical.
     prompt = ids[:1, :30]
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
-                         past_key_values=OscarCache(model, rotations, config), pad_token_id=0)
+                         cache=OscarCache(model, rotations, config), pad_token_id=0)
     ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
                          pad_token_id=0)
     assert out.tolist() == ref.tolist()
@@ -204,8 +209,8 @@ def test_sliding_window_layers_are_untouched():
     config = OscarConfig(bits=16, sink_tokens=4, window_tokens=8, key_clip="none", value_clip="none")
     cache = OscarCache(model, centered_data_free(model), config)
     dyn = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    model(input_ids=ids, past_key_values=dyn, use_cache=True)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    model(input_ids=ids, cache=dyn, use_cache=True)
     sliding = [i for i, kind in enumerate(model_geometry(model.config).plan) if kind != "oscar"]
     assert sliding
     for i in sliding:
@@ -222,11 +227,10 @@ def test_centered_int2_cache_is_closer_to_bf16():
     schedule = (48, 16, 16)
     reference = logits_through(model, DynamicCache(config=model.config), ids, schedule)[:, 48:]
     dyn = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :48], past_key_values=dyn, use_cache=True)
+    model(input_ids=ids[:, :48], cache=dyn, use_cache=True)
     means = {i: dyn.layers[i].keys[0].float().mean(1) for i in model_geometry(model.config).oscar_layers}
     plain = logits_through(model, OscarCache(model, OscarRotations.data_free(model.config), config), ids, schedule)
-    centered = logits_through(model, OscarCache(model, centered_data_free(model, means), config.replace(center_keys=True)),
-                              ids, schedule)
+    centered = logits_through(model, OscarCache(model, centered_data_free(model, means), config), ids, schedule)
     err_plain = (plain[:, 48:] - reference).square().sum() / reference.square().sum()
     err_centered = (centered[:, 48:] - reference).square().sum() / reference.square().sum()
     assert err_centered < 0.5 * err_plain, (err_plain, err_centered)

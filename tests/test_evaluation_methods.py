@@ -6,8 +6,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import char_tokenizer, tiny_model
-from oscar_hf import OscarCache, OscarConfig
-from oscar_hf.calibrate import calibrate
+from oscar_hf import CalibrationConfig, OscarCache, OscarConfig
+from oscar_hf.calibrate import RotationTargets, calibrate
 from oscar_hf.evaluation.methods import (
     RotationStore, Windows, ablation_methods, cache_bits, fill_from_prefill, format_methods, get_method,
     main_methods,
@@ -21,9 +21,9 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 400
 @pytest.fixture(scope="module")
 def calibrated():
     model = tiny_model("llama")
-    rotations = calibrate(model, char_tokenizer(), data=_text_file(), config=OscarConfig(
-        calibration_tokens=512, calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16, window_tokens=32),
-        progress=False)
+    rotations = calibrate(model, char_tokenizer(), data=_text_file(), config=OscarConfig(sink_tokens=16, window_tokens=32),
+                          calibration=CalibrationConfig(tokens=512, sequence_length=256, heldout_tokens=384),
+                          progress=False)
     return model, rotations
 
 
@@ -44,8 +44,9 @@ def test_registry_names_and_errors():
         assert (methods[name].oscar.key_granularity, methods[name].oscar.demotion_block) == ("token", 8)
     for name in ("naive-int2", "hadamard-int2", "kivi2", "hf-hqq-int2", "naive-int4", "oscar-s32w64", "kivi2-g64"):
         assert name in methods
-    ref = methods["oscar-ref"].oscar
-    assert (ref.per_head, ref.value_target, ref.key_clip, ref.value_clip) == (False, "logit", 0.96, 0.92)
+    ref = methods["oscar-ref"]
+    assert (ref.targets.per_head, ref.targets.value_target, ref.oscar.key_clip, ref.oscar.value_clip) == (
+        False, "logit", 0.96, 0.92)
     assert methods["naive-int2"].oscar.key_clip == "none" and methods["naive-int2"].rotations == "identity"
     assert {"no-U", "no-H", "no-P", "ktk-vtv", "sw-0-0", "sw-32-128", "sw-128-512", "clip-ref"} <= set(ablation_methods())
     with pytest.raises(ValueError, match="unknown method"):
@@ -76,8 +77,9 @@ def test_nominal_bits_follow_the_papers_accounting():
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_every_method_makes_a_cache_that_generates(family, calibrated):
     model = tiny_model(family)
-    rotations = calibrate(model, char_tokenizer(), data=_text_file(), config=OscarConfig(
-        calibration_tokens=256, calibration_sequence_length=256, heldout_tokens=384), progress=False)
+    rotations = calibrate(model, char_tokenizer(), data=_text_file(),
+                          calibration=CalibrationConfig(tokens=256, sequence_length=256, heldout_tokens=384),
+                          progress=False)
     ids = torch.randint(4, 100, (1, 320))  # a multiple of 64: transformers' QuantizedCache needs it with HQQ
     for name, method in main_methods().items():
         cache = method.make_cache(model, rotations if method.needs_calibration else None)
@@ -98,7 +100,7 @@ def test_cache_bits_for_oscar_kivi_and_bf16():
         cache.update(k, k, layer)
     # 320 BF16 tokens + the rest at 2.5 bits (head_dim 64), recent window holds 256..263 tokens
     b = cache_bits(cache)
-    history = cache.layers[0].history_keys.length
+    history = cache.plan.counts(n)[1]
     assert b["bits_per_element"] == pytest.approx(((n - history) * 16 + history * 2.5) / n, rel=1e-6)
     dyn = DynamicCache(config=model.config)
     for layer in range(3):
@@ -132,30 +134,28 @@ def test_rotation_store_calibrates_once_and_reuses_statistics(calibrated):
     model, _ = calibrated
     store = RotationStore(model, char_tokenizer(), data=_text_file(), calibration_tokens=512, progress=False,
                           calibration_sequence_length=256)
-    base = OscarConfig(calibration_sequence_length=256, heldout_tokens=384, sink_tokens=16, window_tokens=32)
+    base = OscarConfig(sink_tokens=16, window_tokens=32)
+    calibration = CalibrationConfig(heldout_tokens=384)
     from oscar_hf.evaluation.methods import Method
 
-    a = store.rotations_for(Method("a", "a", "oscar", "calibrated", base))
+    a = store.rotations_for(Method("a", "a", "oscar", "calibrated", base, calibration))
     stats = store.statistics
-    b = store.rotations_for(Method("b", "b", "oscar", "calibrated", base.replace(use_hadamard=False)))
+    b = store.rotations_for(Method("b", "b", "oscar", "calibrated", base, calibration, RotationTargets(hadamard=False)))
     assert store.statistics is stats and a is not b
-    assert store.rotations_for(Method("a2", "a", "oscar", "calibrated", base)) is a
+    assert store.rotations_for(Method("a2", "a", "oscar", "calibrated", base, calibration)) is a
     assert store.rotations_for(Method("n", "n", "oscar", "identity", base)) is None
 
 
-def test_the_key_basis_preference_gets_its_own_calibration_folder():
-    from oscar_hf.evaluation.methods import calibration_key
+def test_each_setting_that_changes_a_calibration_gets_its_own_folder():
+    from oscar_hf.evaluation.methods import Method, calibration_key
 
-    base = OscarConfig()
-    assert "preference" not in calibration_key(base)  # folders of earlier calibrations keep their names
-    keys = {calibration_key(base.replace(key_basis_hadamard_preference=p)) for p in (1.0, 2.0, 4.0)}
-    assert len(keys) == 3  # a run with another preference must not reuse these rotations
+    def key(**changes):
+        config = OscarConfig(**{k: v for k, v in changes.items() if k in OscarConfig.__dataclass_fields__})
+        calibration = CalibrationConfig(**{k: v for k, v in changes.items() if k in CalibrationConfig.__dataclass_fields__})
+        targets = changes.get("targets", RotationTargets())
+        return calibration_key(Method("m", "m", "oscar", "calibrated", config, calibration, targets), 8192, 2048)
 
-
-def test_the_clip_grid_gets_its_own_calibration_folder():
-    from oscar_hf.evaluation.methods import calibration_key
-
-    base = OscarConfig()
-    assert "clip_grid" not in calibration_key(base)  # folders of earlier calibrations keep their names
-    coarse = calibration_key(base.replace(clip_grid=(0.8, 0.9, 1.0)))
-    assert coarse != calibration_key(base) and coarse != calibration_key(base.replace(clip_grid=(0.8, 1.0)))
+    variants = [key(), key(clip_grid=(0.8, 0.9, 1.0)), key(clip_grid=(0.8, 1.0)), key(sink_tokens=32),
+                key(wide_heads="none"), key(targets=RotationTargets(per_head=False)), key(heldout_tokens=512)]
+    assert len(set(variants)) == len(variants)
+    assert key() == key()

@@ -159,7 +159,7 @@ def test_trials_of_one_name_measured_with_two_configurations_are_refused(tmp_pat
     data["meta"]["methods"]["oscar"]["oscar_config"]["key_channel_bits"] = "fitted"  # the default changed since
     new.write_text(json.dumps(data))
     # the 8K trial would stay under `oscar` beside a 4K trial of another cache: refused, naming the field
-    with pytest.raises(ValueError, match=r"'oscar' measured with another configuration \(oscar_config.key_channel_bits"):
+    with pytest.raises(ValueError, match=r"'oscar' measured with another configuration \(calibration_config.key_channel_bits"):
         merge_record_files(old, new)
     # measuring every trial again replaces them all: nothing of the old configuration stays
     data["results"].append(dict(data["results"][0], length=8192))
@@ -169,21 +169,37 @@ def test_trials_of_one_name_measured_with_two_configurations_are_refused(tmp_pat
 
 def test_a_field_added_since_counts_only_where_the_new_configuration_uses_it():
     """Trials stored before a field existed describe the same cache where that field is inert (channel-wise key
-    blocks under token-wise keys), and another cache where it is not."""
-    from oscar_hf.config import OscarConfig
-    from oscar_hf.evaluation.runner import check_same_methods
+    blocks under token-wise keys), and another cache where it is not. Records of oscar-hf 0.1 kept calibration fields
+    in `oscar_config`: they are compared at their place now."""
+    from oscar_hf.config import CalibrationConfig, OscarConfig
+    from oscar_hf.evaluation.runner import _inert_fields, _measured_config, check_same_methods
 
-    assert {"key_block", "wide_heads", "key_channel_bits"} <= OscarConfig(key_granularity="token").inert_fields
-    assert not {"key_block", "wide_heads", "key_channel_bits"} & OscarConfig().inert_fields
+    def described(config, **calibration):
+        return {"family": "oscar", "rotations": "calibrated", "oscar_config": config.to_dict(),
+                "calibration_config": CalibrationConfig(**calibration).to_dict()}
+
+    token = _measured_config(described(OscarConfig(key_granularity="token", demotion_block=8)))
+    assert {"oscar_config.key_block", "calibration_config.wide_heads", "calibration_config.key_channel_bits"} <= \
+        _inert_fields(token)
+    assert not {"oscar_config.key_block", "calibration_config.key_channel_bits"} & _inert_fields(
+        _measured_config(described(OscarConfig())))
     for granularity, refused in (("token", False), ("channel", True)):
-        new = {"family": "oscar", "oscar_config": OscarConfig(key_granularity=granularity, demotion_block=64).to_dict()}
-        old = {"family": "oscar", "oscar_config": {k: v for k, v in new["oscar_config"].items() if k != "key_block"}}
+        new = described(OscarConfig(key_granularity=granularity, demotion_block=64))
+        old = {**new, "oscar_config": {k: v for k, v in new["oscar_config"].items() if k != "key_block"}}
         if refused:
             with pytest.raises(ValueError, match=r"oscar_config.key_block: '\(absent\)' there, 64 now"):
                 check_same_methods({"m": old}, {"m": new}, {"m"})
         else:
             check_same_methods({"m": old}, {"m": new}, {"m"})
-        changed = {"family": "oscar", "oscar_config": dict(new["oscar_config"], key_block=32)}
+        changed = {**new, "oscar_config": dict(new["oscar_config"], key_block=32)}
         with pytest.raises(ValueError, match="key_block: 32 there, 64 now"):  # a stored value always counts
             check_same_methods({"m": changed}, {"m": new}, {"m"})
-
+    # a 0.1 record: one flat oscar_config with the calibration fields in it, under their old names
+    legacy = {"family": "oscar", "rotations": "calibrated",
+              "oscar_config": {**OscarConfig().to_dict(), **{k: v for k, v in CalibrationConfig().to_dict().items()
+                                                            if k not in ("tokens", "sequence_length", "clip_grid")},
+                               "calibration_tokens": 8192, "key_basis_hadamard_preference": 1.0}}
+    check_same_methods({"m": legacy}, {"m": described(OscarConfig())}, {"m"})
+    with pytest.raises(ValueError, match="calibration_config.wide_heads: 'none' there, 'retrieval' now"):
+        check_same_methods({"m": {**legacy, "oscar_config": dict(legacy["oscar_config"], wide_heads="none")}},
+                           {"m": described(OscarConfig())}, {"m"})

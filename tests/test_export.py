@@ -6,26 +6,24 @@ import torch
 
 from conftest import char_tokenizer, tiny_model
 from oscar_hf import OscarConfig, OscarRotations
-from oscar_hf.cache import rotate
+from oscar_hf.calibrate import RotationTargets, calibrate
 from oscar_hf.cli import main
 from oscar_hf.export import ENV_FILE, KEY_FILE, VALUE_FILE, ExportError, export_sglang_oscar
-from test_calibrate import SMALL, TEXT
+from oscar_hf.rotation import rotate
+from test_calibrate import CAL, SMALL, TEXT
 
 # The reference's recipe: token-wise keys, one rotation per layer, fixed clips; windows in whole 8-token pages.
-REFERENCE = dict(SMALL, sink_tokens=8, window_tokens=16, key_granularity="token", demotion_block=8, per_head=False,
-                 key_clip=0.75, value_clip=0.875)
+REFERENCE = dict(SMALL, sink_tokens=8, window_tokens=16, key_granularity="token", demotion_block=8, key_clip=0.75,
+                 value_clip=0.875)
 
 
 @pytest.fixture(scope="module")
 def reference_rotations(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
-    model_dir = tmp / "tiny"
-    tiny_model("llama", attn="sdpa").save_pretrained(model_dir)
-    char_tokenizer().save_pretrained(model_dir)
-    (tmp / "calib.txt").write_text(TEXT)
-    OscarConfig(**REFERENCE).save(tmp / "oscar.yaml")
-    assert main(["calibrate", "--model", str(model_dir), "--output", str(tmp / "rot"), "--data", str(tmp / "calib.txt"),
-                 "--config", str(tmp / "oscar.yaml"), "--dtype", "float32", "--quiet"]) == 0
+    rotations = calibrate(tiny_model("llama", attn="sdpa"), char_tokenizer(), data=[TEXT], config=OscarConfig(**REFERENCE),
+                          calibration=CAL.replace(choose_key_basis=False, key_channel_bits="uniform"),
+                          targets=RotationTargets(per_head=False), progress=False)
+    rotations.save_pretrained(tmp / "rot")
     return tmp / "rot"
 
 

@@ -80,3 +80,23 @@ def test_generate_until_uses_the_methods_cache(smollm2_fp32):
     lm.make_cache = lambda: made.append(1) or original()
     assert lm.generate_until(request) == plain
     assert made == [1]
+
+
+def test_the_long_bundled_task_reaches_the_history_and_zero_shot_does_not(smollm2_fp32):
+    """Guards (11): with the default 64 + 256-token BF16 windows a 0-shot oscar_bb_siqa prompt is never quantized
+    (its score measures BF16, and the run says so), while the bundled oscar_bb_siqa_long (25-shot by default) puts
+    every scored token's context partly in the INT2 history."""
+    import lm_eval
+
+    from oscar_hf.evaluation.lm_eval_model import OscarLM, task_manager
+
+    model, tok = smollm2_fp32
+    seen = {}
+    for task, shots in (("oscar_bb_siqa", 0), ("oscar_bb_siqa_long", None)):
+        lm = OscarLM(pretrained=model, tokenizer=tok, method="naive-int2", batch_size=1)
+        lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager(), limit=1, num_fewshot=shots,
+                                random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+                                bootstrap_iters=0)
+        seen[task] = (lm.scored_tokens, lm.history_tokens)
+    assert seen["oscar_bb_siqa"][0] > 0 and seen["oscar_bb_siqa"][1] == 0
+    assert seen["oscar_bb_siqa_long"][1] == seen["oscar_bb_siqa_long"][0] > 0

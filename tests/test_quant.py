@@ -1,11 +1,17 @@
 import pytest
 import torch
 
+from oscar_hf.format import LayerFormat, StreamFormat, layer_format, paired_channels, wide_channel_permutation, wide_rows
 from oscar_hf.quant import (
-    KeyBlockLayout, QuantizedKeyChunks, QuantizedRows, clip_rows, dequantize, fake_quantize_channels, quantize_channels,
-    quantize_key_chunks, clip_threshold_index, dequantize_rows, fake_quantize, pack_2bit_u8, pack_3bit_u8,
-    pack_4bit_u8, pack_codes, quantize_rows, unpack_2bit_u8, unpack_3bit_u8, unpack_4bit_u8, unpack_codes,
+    Packed, QuantizedRows, clip_rows, clip_threshold_index, dequantize, dequantize_channels, dequantize_rows,
+    dequantize_wide_channels, fake_quantize, fake_quantize_channels, head_blocks, pack_2bit_u8, pack_3bit_u8,
+    pack_4bit_u8, pack_codes, quantize, quantize_channels, quantize_rows, quantize_wide_channels, unpack_2bit_u8,
+    unpack_3bit_u8, unpack_4bit_u8, unpack_codes,
 )
+
+
+def _channel_stream(blocks, chunk=128, bits=2, d=64, **kw):
+    return StreamFormat(len(blocks), d, bits, "channel", blocks=tuple(blocks), chunk=chunk, **kw)
 
 
 def test_every_byte_value_round_trips_through_2bit_unpack_pack():
@@ -96,92 +102,143 @@ def test_fake_quantize_keeps_dtype_and_shape():
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
 
 
-def test_dequantize_accepts_tuples():
-    q = quantize_rows(torch.randn(3, 64), 2, 32)
-    assert torch.equal(dequantize_rows((q.codes, q.meta, 2, 32)), dequantize_rows(q))
-    assert isinstance(q, QuantizedRows)
+def test_a_token_wise_stream_is_clipped_rows_quantized_by_group():
+    """`quantize(x, fmt)` of a token-wise stream: `fmt.clip` then `quantize_rows` (codes and meta as they are);
+    `dequantize` reads it back as `dequantize_rows` does, in the dtype asked; dense tensors and 16-bit streams pass
+    through as they are."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 10, 64, generator=g) * 3
+    fmt = StreamFormat(3, 64, 2, group_size=32, clip=0.9)
+    assert (fmt.groups, fmt.row_bytes, fmt.code_rows) == (2, 16, 3)
+    assert fmt.bits_per_element() == 2 + 2 * 16 / 32
+    p = quantize(x, fmt)
+    q = quantize_rows(clip_rows(x, 0.9), 2, 32)
+    assert isinstance(p, Packed) and p.length == 10 and p.fmt is fmt
+    assert torch.equal(p.codes, q.codes) and torch.equal(p.meta, q.meta)
+    assert torch.equal(dequantize(p), dequantize_rows(QuantizedRows(p.codes, p.meta, 2, 32)))
+    assert dequantize(p, torch.bfloat16).dtype == torch.bfloat16
+    assert not torch.equal(quantize(x, StreamFormat(3, 64, 2, group_size=32)).codes, p.codes)  # the clip mattered
+    assert torch.equal(dequantize(x, torch.float64), x.double())  # a dense tensor is returned as it is
+    dense = StreamFormat(3, 64, 16)
+    assert dense.dense and dense.bits_per_element() == 16.0
+    assert quantize(x, dense).meta is None and torch.equal(dequantize(quantize(x, dense)), x)
+    with pytest.raises(ValueError, match="for a stream of 3 heads of dim 64"):
+        quantize(x[:, :2], fmt)
 
 
 def test_key_chunks_place_each_heads_blocks_at_its_rows():
-    layout = KeyBlockLayout((32, 128, 64), 128)
-    assert (layout.rows_per_chunk, layout.offsets) == (7, (0, 4, 5))
-    assert layout.bits_per_element(2, 16) == 2 + 32 * 7 / (128 * 3)
+    fmt = _channel_stream((32, 128, 64))
+    assert (fmt.rows_per_chunk, fmt.offsets) == (7, (0, 4, 5))
+    assert fmt.bits_per_element() == 2 + 32 * 7 / (128 * 3)
     x = torch.randn(2, 3, 256, 64) * torch.linspace(0.1, 5, 64)
-    q = quantize_key_chunks(x, 2, layout)
+    q = quantize(x, fmt)
     assert q.meta.shape == (2, 2, 7, 64, 2) and q.codes.shape == (2, 3, 256, 16)
     dense = dequantize(q)
-    for head, block in enumerate(layout.blocks):  # each head exactly as its own channel-wise quantization
+    for head, block in enumerate(fmt.blocks):  # each head exactly as its own channel-wise quantization
         assert torch.equal(dense[:, head], fake_quantize_channels(x[:, head], 2, block))
+        assert torch.equal(dequantize_channels(head_blocks(q, head)), dense[:, head])
     # token t of head 0 (blocks of 32) takes meta row (t // 128, t % 128 // 32); head 2 (64) row 5 + t % 128 // 64
     own = quantize_channels(x[:, 0], 2, 32)
     assert torch.equal(q.meta[:, 1, 3], own.meta[:, 7])
     assert torch.equal(q.meta[:, 1, 6], quantize_channels(x[:, 2], 2, 64).meta[:, 3])
     # a view ending inside a chunk dequantizes its rows only
-    part = QuantizedKeyChunks(q.codes[:, :, :200], q.meta, 2, layout)
+    part = Packed(q.codes[:, :, :200], q.meta, fmt)
     assert torch.equal(dequantize(part), dense[:, :, :200])
 
 
-def test_key_chunk_layouts_refuse_what_they_cannot_hold():
-    with pytest.raises(ValueError, match="divide the chunk of 128"):
-        KeyBlockLayout((64, 48), 128)
+def test_stream_formats_refuse_what_they_cannot_hold():
+    """Every bad layout is refused when its `StreamFormat` / `LayerFormat` is made, naming what is wrong; rows that do
+    not fit a format are refused by `quantize`."""
+    bad = [
+        (dict(heads=2, head_dim=64, bits=2, granularity="channel", blocks=(64, 48), chunk=128), "divide the demotion block of 128"),
+        (dict(heads=2, head_dim=64, bits=2, granularity="channel", blocks=(64,), chunk=128), "expected 2 blocks"),
+        (dict(heads=2, head_dim=64, bits=2, granularity="block"), "granularity"),
+        (dict(heads=2, head_dim=64, bits=2, group_size=48), "does not divide head_dim"),
+        (dict(heads=2, head_dim=64, bits=2, blocks=(64, 64), chunk=64), "layout of channel-wise streams"),
+        (dict(heads=2, head_dim=64, bits=4, wide_rows=(2, -1)), "2-bit history"),
+        (dict(heads=2, head_dim=64, bits=2, wide_rows=(3, -1)), "wide rows"),
+        (dict(heads=2, head_dim=64, bits=2, wide_channels=(3, 0)), "2-bit channel-wise history"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            StreamFormat(**kwargs)
+    fmt = _channel_stream((64, 64))
     with pytest.raises(ValueError, match="whole chunks of 128"):
-        quantize_key_chunks(torch.randn(1, 2, 64, 64), 2, KeyBlockLayout((64, 64), 128))
-    with pytest.raises(ValueError, match="for 2 KV heads"):
-        quantize_key_chunks(torch.randn(1, 3, 128, 64), 2, KeyBlockLayout((64, 64), 128))
-    assert KeyBlockLayout((32, 128, 64), 128).select([2, 0]) == KeyBlockLayout((64, 32), 128)
+        quantize(torch.randn(1, 2, 64, 64), fmt)
+    with pytest.raises(ValueError, match="rows of 3 KV heads"):
+        quantize(torch.randn(1, 3, 128, 64), fmt)
+    assert _channel_stream((32, 128, 64)).select(1, 2) == _channel_stream((128, 64))
+    keys, values = _channel_stream((64, 64)), StreamFormat(2, 64, 2)
+    assert LayerFormat(keys, values).kernel_problem() is None
+    with pytest.raises(ValueError, match="share heads"):
+        LayerFormat(keys, StreamFormat(3, 64, 2))
+    with pytest.raises(ValueError, match="token-wise"):
+        LayerFormat(keys, keys)
+
+
+def test_layer_format_stores_the_configs_layout():
+    from oscar_hf import OscarConfig
+
+    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=32, key_block=16)
+    fmt = layer_format(config, 2, 64, key_clip=0.9, value_clip=0.8, head_bits=(4, 2), wide_channels=(0, 5))
+    assert fmt.keys == _channel_stream((16, 16), chunk=32, wide_rows=(2, -1), wide_channels=(0, 5))
+    assert fmt.values == StreamFormat(2, 64, 2, wide_rows=(2, -1), clip=0.8)
+    assert fmt.kernel_problem() is None and fmt.bits_per_element() > 2
+    token = layer_format(OscarConfig(key_granularity="token", group_size=16), 2, 64, key_clip=0.9)
+    assert token.keys == StreamFormat(2, 64, 2, group_size=16, clip=0.9) and not token.keys.channelwise
+    with pytest.raises(ValueError, match="wide key channels"):  # a wide head takes no wide channels
+        layer_format(config, 2, 64, head_bits=(4, 2), wide_channels=(3, 0))
 
 
 def test_wide_rows_number_the_low_planes_after_the_heads_in_order():
-    from oscar_hf.quant import check_wide_rows, wide_rows
-
     assert wide_rows((2, 2, 2)) == ()
     assert wide_rows((4, 2, 4)) == (3, -1, 4)
-    assert check_wide_rows((3, -1, 4), 3) == (3, -1, 4) and check_wide_rows((), 3) == ()
+    fmt = StreamFormat(3, 64, 2, wide_rows=(3, -1, 4))
+    assert fmt.wide_heads == (0, 2) and fmt.code_rows == 5
+    assert StreamFormat(3, 64, 2).wide_rows == () and StreamFormat(3, 64, 2).code_rows == 3
     for bad in ((4, -1, 3), (3, -1), (-1, -1, 3, 4)):
         with pytest.raises(ValueError, match="wide rows"):
-            check_wide_rows(bad, 3)
+            StreamFormat(3, 64, 2, wide_rows=bad)
     with pytest.raises(ValueError, match="head bits must be 2 or 4"):
         wide_rows((2, 3))
+    assert fmt.select(1, 2).wide_rows == (-1, 2)  # head slicing renumbers the low planes
 
 
 def test_wide_heads_are_their_4bit_codes_in_two_2bit_planes():
     """A wide head's row holds the 4-bit code's high plane under 4x the 4-bit scale, its extra row the low plane:
     together exactly the 4-bit quantization (token-wise and channel-wise); the other heads are plain 2-bit."""
-    from oscar_hf.quant import dequantize_key_chunks, unpack_4bit_u8, wide_rows
-
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 128, 64, generator=g) * torch.logspace(-1, 1, 64) + torch.randn(64, generator=g)
     wide = wide_rows((4, 2, 4))
-    q = quantize_rows(x, 2, 64, wide=wide)
+    fmt = StreamFormat(3, 64, 2, wide_rows=wide)
+    q = quantize(x, fmt)
     q4, q2 = quantize_rows(x[:, [0, 2]], 4, 64), quantize_rows(x, 2, 64)
-    assert q.codes.shape == (2, 5, 128, 16) and q.meta.shape == (2, 3, 128, 1, 2) and q.wide_rows == wide
+    assert q.codes.shape == (2, 5, 128, 16) and q.meta.shape == (2, 3, 128, 1, 2)
     for j, (head, row) in enumerate(((0, 3), (2, 4))):
         four = 4 * unpack_2bit_u8(q.codes[:, head]) + unpack_2bit_u8(q.codes[:, row])
         assert torch.equal(four, unpack_4bit_u8(q4.codes[:, j]))
         assert torch.equal(q.meta[:, head, ..., 0], 4 * q4.meta[:, j, ..., 0])
         assert torch.equal(q.meta[:, head, ..., 1], q4.meta[:, j, ..., 1])
     assert torch.equal(q.codes[:, 1], q2.codes[:, 1]) and torch.equal(q.meta[:, 1], q2.meta[:, 1])
-    out = dequantize_rows(q)
+    out = dequantize(q)
     assert torch.allclose(out[:, [0, 2]], dequantize_rows(q4), atol=1e-6)
     assert torch.equal(out[:, 1], dequantize_rows(q2)[:, 1])
-    layout = KeyBlockLayout((32, 64, 128), 128)
-    k = quantize_key_chunks(x, 2, layout, wide=wide)
-    k4 = quantize_key_chunks(x, 4, layout)
-    assert k.codes.shape == (2, 5, 128, 16) and k.meta.shape == (2, 1, layout.rows_per_chunk, 64, 2)
-    keys = dequantize_key_chunks(k)
-    assert torch.allclose(keys[:, [0, 2]], dequantize_key_chunks(k4)[:, [0, 2]], atol=1e-6)
-    assert torch.equal(keys[:, 1], dequantize_key_chunks(quantize_key_chunks(x, 2, layout))[:, 1])
+    assert fmt.bits_per_element() == (2 * 3 + 2 * 2) / 3 + 2 * 16 / 64
+    blocks = (32, 64, 128)
+    k = quantize(x, _channel_stream(blocks, wide_rows=wide))
+    k4 = quantize(x, _channel_stream(blocks, bits=4))
+    assert k.codes.shape == (2, 5, 128, 16) and k.meta.shape == (2, 1, _channel_stream(blocks).rows_per_chunk, 64, 2)
+    keys = dequantize(k)
+    assert torch.allclose(keys[:, [0, 2]], dequantize(k4)[:, [0, 2]], atol=1e-6)
+    assert torch.equal(keys[:, 1], dequantize(quantize(x, _channel_stream(blocks)))[:, 1])
     with pytest.raises(ValueError, match="2-bit history"):
-        quantize_rows(x, 4, 64, wide=wide)
+        StreamFormat(3, 64, 4, wide_rows=wide)
 
 
 def test_wide_key_channels_hold_4_bit_channels_and_block_means_in_the_2_bit_bytes():
     """n wide key channels: channels 0..n-1 are their 4-bit quantization (high plane in their slot under 4s, low plane
     in slot d-n+j under s), channels d-n..d-1 their block means, the rest plain 2-bit; a score through the paired
     query is q·k̂; the counts are checked."""
-    from oscar_hf.quant import (check_wide_channels, dequantize_key_chunks, dequantize_wide_channels, paired_channels,
-                                quantize_wide_channels, wide_rows)
-
     g = torch.Generator().manual_seed(7)
     x = torch.randn(2, 128, 64, generator=g) * torch.logspace(-1, 1, 64) + torch.randn(64, generator=g)
     n, block = 11, 32
@@ -200,19 +257,34 @@ def test_wide_key_channels_hold_4_bit_channels_and_block_means_in_the_2_bit_byte
     scores = (query[pi] * meta[..., 0] * codes).sum(-1) + (query * meta[..., 1]).sum(-1)
     assert torch.allclose(scores, k @ query, atol=1e-4)
     # in the cache's layout, per head; a wide head takes no wide channels
-    layout = KeyBlockLayout((32, 64, 128), 128)
     xs = torch.stack([x, 2 * x, x + 1], 1)
-    chunks = quantize_key_chunks(xs, 2, layout, wide_channels=(n, 0, 5))
-    dense = dequantize_key_chunks(chunks)
+    fmt = _channel_stream((32, 64, 128), wide_channels=(n, 0, 5))
+    dense = dequantize(quantize(xs, fmt))
     assert torch.equal(dense[:, 0], dequantize_wide_channels(quantize_wide_channels(x, 32, n), n))
     assert torch.equal(dense[:, 1], fake_quantize_channels(2 * x, 2, 64))
     assert torch.equal(dense[:, 2], dequantize_wide_channels(quantize_wide_channels(x + 1, 128, 5), 5))
-    assert check_wide_channels((0, 0, 0), 3, 64) == ()
-    with pytest.raises(ValueError, match="in \\[0, 32\\]"):
-        check_wide_channels((33, 0, 0), 3, 64)
-    with pytest.raises(ValueError, match="for 3 KV heads"):
-        check_wide_channels((1, 2), 3, 64)
-    with pytest.raises(ValueError, match="take no wide key channels"):
-        quantize_key_chunks(xs, 2, layout, wide=wide_rows((4, 2, 2)), wide_channels=(3, 0, 0))
-    with pytest.raises(ValueError, match="2-bit history"):
-        quantize_key_chunks(xs, 4, layout, wide_channels=(3, 0, 0))
+    # the same bytes read as plain 2-bit keys are far off: the layout is in the format, not in the bytes
+    stored = quantize(xs, fmt)
+    plain = Packed(stored.codes, stored.meta, _channel_stream((32, 64, 128)))
+    assert (dequantize(plain) - dense).abs().max() > 0.1
+    assert _channel_stream((32, 64, 128), wide_channels=(0, 0, 0)).wide_channels == ()
+    for counts in ((33, 0, 0), (1, 2)):
+        with pytest.raises(ValueError, match=r"expected 3 counts \(one per KV head\) in \[0, 32\]"):
+            _channel_stream((32, 64, 128), wide_channels=counts)
+    with pytest.raises(ValueError, match="0 for the wide heads"):
+        _channel_stream((32, 64, 128), wide_rows=wide_rows((4, 2, 2)), wide_channels=(3, 0, 0))
+    with pytest.raises(ValueError, match="2-bit channel-wise history"):
+        _channel_stream((32, 64, 128), bits=4, wide_channels=(3, 0, 0))
+
+
+def test_wide_channel_permutation_orders_4_bit_then_2_bit_then_0_bit_channels():
+    """The key rotation's column order for per-channel widths: n = min(#4-bit, #0-bit) pairs, [4-bit | 2-bit | 0-bit]
+    each in channel order (surplus 0-bit channels stay at 2 bits); k·P stores channel order[c] in slot c."""
+    widths = torch.tensor([2, 0, 4, 2, 0, 4, 4, 0, 2, 0])
+    n, perm = wide_channel_permutation(widths)
+    assert n == 3 and perm.dtype == torch.float64
+    order = perm.argmax(0).tolist()  # slot c holds channel order[c]
+    assert order == [2, 5, 6, 0, 1, 3, 8, 4, 7, 9]
+    assert torch.equal(perm @ perm.T, torch.eye(10, dtype=torch.float64))
+    k = torch.arange(10, dtype=torch.float64)
+    assert (k @ perm).tolist() == [float(c) for c in order]

@@ -10,7 +10,8 @@ INT2 history. Thresholds come from measurement (see README: BF16 ~25.5, OSCAR ~2
 import pytest
 import torch
 
-from oscar_hf import OscarCache, OscarConfig, OscarRotations, assets
+from oscar_hf import CalibrationConfig, OscarCache, OscarConfig, OscarRotations, assets
+from oscar_hf.calibrate import calibrate
 from oscar_hf.data import token_sequences
 from oscar_hf.evaluation.kivi import KiviCache, KiviConfig
 from oscar_hf.metrics import perplexity
@@ -25,18 +26,20 @@ def eval_sequences(smollm2):
 
 
 def test_oscar_int2_is_far_closer_to_bf16_than_naive_and_hadamard(smollm2, smollm2_rotations, eval_sequences):
-    model, _ = smollm2
+    model, tok = smollm2
     # the paper's baselines: token-wise INT2 without clip, H·P-rotated or not rotated
     off = OscarConfig(key_clip="none", value_clip="none", key_granularity="token", demotion_block=8)
     kivi, kivi32 = KiviConfig(2, 64, 128), KiviConfig(2, 32, 128)
-    no_wide = OscarConfig(**smollm2_rotations.layout, wide_heads="none")
-    assert no_wide.history_bits_per_element(64) == kivi.history_bits_per_element(64) == 2.5
-    assert OscarConfig().history_bits_per_element(64) == 2.75 < kivi32.history_bits_per_element(64) == 3.0
-    assert smollm2_rotations.wide_heads  # calibration picked wide heads
+    no_wide = CalibrationConfig(tokens=4096, wide_heads="none")  # the same statistics, every head at 2 bits
+    no_wide_rotations = calibrate(model, tok, calibration=no_wide, statistics=smollm2_rotations.statistics,
+                                  progress=False)
+    assert no_wide.history_bits_per_element(OscarConfig(), 64) == kivi.history_bits_per_element(64) == 2.5
+    assert CalibrationConfig().history_bits_per_element(OscarConfig(), 64) == 2.75 < kivi32.history_bits_per_element(64) == 3.0
+    assert smollm2_rotations.wide_heads and not no_wide_rotations.wide_heads  # calibration picked wide heads
     runs = {
         "bf16": None,
         "oscar": lambda: OscarCache(model, smollm2_rotations),
-        "oscar-no-wide": lambda: OscarCache(model, smollm2_rotations, no_wide),
+        "oscar-no-wide": lambda: OscarCache(model, no_wide_rotations),
         "kivi2-g64": lambda: KiviCache(model, kivi),
         "kivi2": lambda: KiviCache(model, kivi32),
         "hadamard": lambda: OscarCache(model, OscarRotations.data_free(model, "hadamard"), off),
@@ -57,7 +60,7 @@ def test_oscar_int2_is_far_closer_to_bf16_than_naive_and_hadamard(smollm2, smoll
 def test_fitted_value_clips_are_as_good_as_the_reference_fixed_clip(smollm2, smollm2_rotations, eval_sequences):
     """Calibration fits each layer's value clip on held-out tokens from a grid that holds the reference's 0.92, so on
     those tokens it is never worse; on unseen text the two are within 0.32% on every model and domain measured
-    (eval/NOTES.md, `oscar-value-clip-ref`), both ahead of no clip where clipping matters (Qwen2.5-Coder-0.5B). On
+    (docs/research-log.md, `oscar-value-clip-ref`), both ahead of no clip where clipping matters (Qwen2.5-Coder-0.5B). On
     these sequences (measured 2026-12-05): fitted 25.00, 0.92 24.91, no clip 24.98, 0.8 everywhere 25.12 (+0.8%),
     0.7 25.52: a fit that clips too hard fails the 0.5% allowed here; one that clips nothing would not."""
     model, _ = smollm2
@@ -78,10 +81,11 @@ def test_rotation_file_round_trip_on_the_real_model(smollm2, smollm2_rotations, 
     ids = eval_sequences[0][:700].unsqueeze(0)
     logits = []
     for rotations in (smollm2_rotations, loaded, OscarRotations.data_free(model, "hadamard")):
-        cache = OscarCache(model, rotations, OscarConfig(**loaded.layout, value_clip=0.9))
-        model(input_ids=ids[:, :600], past_key_values=cache)  # a first prefill never reads the rotations...
-        logits.append(model(input_ids=ids[:, 600:], past_key_values=cache).logits)  # ...this chunk reads the history
-    assert cache.layers[0].history_keys.length > 0
+        cache = OscarCache(model, rotations, OscarConfig(**{k: v for k, v in loaded.layout.items()
+                                                            if k != "key_block_allocation"}, value_clip=0.9))
+        model(input_ids=ids[:, :600], cache=cache)  # a first prefill never reads the rotations...
+        logits.append(model(input_ids=ids[:, 600:], cache=cache).logits)  # ...this chunk reads the history
+    assert cache.plan.counts(700)[1] > 0
     assert torch.equal(logits[0], logits[1])
     assert not torch.equal(logits[0], logits[2])  # the comparison can tell rotations apart
 
@@ -90,18 +94,24 @@ def test_generation_and_memory_on_the_real_model(smollm2, smollm2_rotations, eva
     model, tok = smollm2
     ids = eval_sequences[1][:1500].unsqueeze(0)
     cache = OscarCache(model, smollm2_rotations)
-    out = model.generate(ids, max_new_tokens=16, do_sample=False, past_key_values=cache, pad_token_id=tok.eos_token_id)
+    out = model.generate(ids, max_new_tokens=16, do_sample=False, cache=cache, pad_token_id=tok.eos_token_id)
     assert out.shape[1] == 1516
     report = cache.memory_report()
     assert report["tokens"] == 1515
     # head_dim 64: the INT2 history costs 2.5 bits, 2 more in the wide heads (4-bit codes, same scales); the BF16
     # sink and window tokens lift the average
-    layer = cache.layers[0]
-    bf16_tokens = layer.n_sink + layer.n_recent
-    assert layer.history_keys.length == (1515 - 64 - 256) // 64 * 64 and bf16_tokens == 1515 - layer.history_keys.length
+    n_sink, n_hist, n_recent = cache.plan.counts(1515)
+    bf16_tokens = n_sink + n_recent
+    assert n_hist == (1515 - 64 - 256) // 128 * 128 and bf16_tokens == 1515 - n_hist
     wide_fraction = len(smollm2_rotations.wide_heads) / (len(smollm2_rotations.layers) * 3)
     assert 0 < wide_fraction < 0.2  # calibration picked some heads, within the 2.75-bit budget
     history_bits = 2.5 + 2 * wide_fraction
     expected_used = (bf16_tokens * 16 + (1515 - bf16_tokens) * history_bits) / 1515
     assert report["bits_per_element_used"] == pytest.approx(expected_used, abs=0.1)
-    assert report["compression"] > 2
+    # allocated: the BF16 sink (S + 1 rows) and ring (R + 1 = W + 2b + 1 rows, which keep what a crop rolls back to)
+    # and the history's capacity: a row for every token past the sink (values are quantized as they arrive), grown
+    # geometrically
+    capacity = cache.layers[0].storage.capacity
+    assert 1515 - 64 <= capacity <= (1515 - 64) * 9 // 8 + 256 + 128
+    expected = 1515 * 16 / ((64 + 1 + 256 + 2 * 128 + 1) * 16 + capacity * history_bits)
+    assert report["compression"] == pytest.approx(expected, rel=0.05)

@@ -184,7 +184,8 @@ def test_weight_fingerprint_tells_weights_apart_but_not_dtypes(tmp_path):
     loaded.check_fingerprint(model)
     loaded.check_fingerprint(tiny_model("llama", dtype=torch.bfloat16))  # same weights in another dtype
     other = tiny_model("llama", seed=1)  # the same config, other random weights
-    with pytest.raises(RotationFileError, match=r"calibrated on other weights .* fingerprint [0-9a-f]{16} in the rotation file, [0-9a-f]{16} for the model"):
+    with pytest.raises(RotationFileError, match=r"calibrated on other weights .*: layers\.0\.k_proj\.weight differs: "
+                                                 r".*; so do 8 more of the 9 attention tensors; recalibrate"):
         loaded.check_fingerprint(other)
     with pytest.warns(UserWarning, match="calibrated on other weights"):
         loaded.check_fingerprint(other, strict=False)
@@ -229,7 +230,7 @@ def test_key_blocks_round_trip_and_are_checked(tmp_path):
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.key_block(1) == (32, 128)
     rewrite_rotation_file(tmp_path, rot, lambda m: m["key_blocks"].update({"0": [32, 48]}))
-    with pytest.raises(RotationFileError, match="key_blocks of layer 0 are \\[32, 48\\]"):
+    with pytest.raises(RotationFileError, match="layer 0: key blocks \\[32, 48\\]"):
         OscarRotations.from_pretrained(tmp_path)
     rewrite_rotation_file(tmp_path, rot, lambda m: m["key_blocks"].update({"0": [64]}))
     with pytest.raises(RotationFileError, match="expected 2 blocks"):
@@ -245,7 +246,7 @@ def test_head_bits_round_trip_are_checked_and_format_4_files_have_none(tmp_path)
     loaded = OscarRotations.from_pretrained(tmp_path)
     assert loaded.head_bit(1) == (4, 2) and loaded.wide_heads == [(l, 0) for l in rot.layers]
     rewrite_rotation_file(tmp_path, rot, lambda m: m["head_bits"].update({"0": [3, 2]}))
-    with pytest.raises(RotationFileError, match="head_bits of layer 0 are \\[3, 2\\]"):
+    with pytest.raises(RotationFileError, match="layer 0: head bits \\[3, 2\\]"):
         OscarRotations.from_pretrained(tmp_path)
     rewrite_rotation_file(tmp_path, rot, lambda m: m["layout"].update({"key_granularity": "token", "demotion_block": 8,
                                                                         "key_block": 8}))
@@ -279,7 +280,100 @@ def test_key_wide_channels_round_trip_are_checked_and_format_5_files_have_none(t
     assert OscarRotations.from_pretrained(tmp_path).key_wide_channel(1) == (0, 3)
     for bad, match in (([0, 9], "in \\[0, 8\\]"), ([2, 3], "0 for the wide heads"), ([3], "expected 2 counts")):
         rewrite_rotation_file(tmp_path, rot, lambda m: m["key_wide_channels"].update({"0": bad}))
-        with pytest.raises(RotationFileError, match=f"key_wide_channels of layer 0 are .*{match}"):
+        with pytest.raises(RotationFileError, match=f"layer 0: wide key channels .*{match}"):
             OscarRotations.from_pretrained(tmp_path)
     rewrite_rotation_file(tmp_path, rot, lambda m: m.update({"format_version": 5}) or m.pop("key_wide_channels"))
     assert OscarRotations.from_pretrained(tmp_path).key_wide_channels is None  # version 5: 2 bits in every channel
+
+
+def _deterministic(model):
+    """Weights from a formula (no random init), so that a fingerprint of them is the same with any torch version."""
+    with torch.no_grad():
+        for i, (_, p) in enumerate(model.named_parameters()):
+            p.copy_(torch.sin(torch.arange(p.numel(), dtype=torch.float64) * 0.37 + i).reshape(p.shape))
+    return model
+
+
+def test_fingerprint_catches_a_slightly_changed_middle_layer_but_not_a_dtype(tmp_path):
+    """Guards (16d): the fingerprint covers every decoder layer's attention weights in value, not only the signs of
+    the first and last layers: a k_proj of a middle layer scaled by 1.01 is refused by name, while the same
+    checkpoint loaded as bfloat16 or float16 passes."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata = {"weight_fingerprint": weight_fingerprint(model)}
+    for dtype in (torch.bfloat16, torch.float16):
+        rotations.check_fingerprint(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype))
+    changed = tiny_model("llama")
+    with torch.no_grad():
+        changed.model.layers[1].self_attn.k_proj.weight.mul_(1.01)
+    with pytest.raises(RotationFileError, match=r"other weights .*: layers\.1\.k_proj\.weight differs: RMS [0-9.]+ in "
+                                                 r"the rotation file, [0-9.]+ in the model \(1\.0e-02 apart"):
+        rotations.check_fingerprint(changed)
+    fingerprint = rotations.metadata["weight_fingerprint"]
+    assert set(fingerprint["sketch"]["tensors"]) == {f"layers.{i}.{p}_proj.weight" for i in range(3) for p in "qkv"}
+
+
+def test_files_with_the_sign_bit_fingerprint_still_verify(tmp_path, capsys):
+    """Guards: rotation files written before the sketch (their fingerprint: sha256 of the sign bits of the first and
+    last layers' q/k weights) still verify with that method, the same weights pass and others are refused, and new
+    files keep that field, so that those older versions still verify them. The hash below was computed by the
+    fingerprint code of 7f7ff3d for these (formula) weights."""
+    model = _deterministic(tiny_model("llama"))
+    old = {"sha256": "d22da63f1617de9c7769f8342363e54730a173ed32688eea5d1568304d66260f",
+           "method": "sign bits of q_proj/k_proj (or c_attn) weights, first and last layer", "layers": [0, 2]}
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata = {"weight_fingerprint": old}
+    rotations.save_pretrained(tmp_path)
+    loaded = OscarRotations.from_pretrained(tmp_path)
+    loaded.check_fingerprint(model)
+    with pytest.raises(RotationFileError, match="signs of the first and last layers"):
+        loaded.check_fingerprint(tiny_model("llama", seed=1))
+    new = weight_fingerprint(model)
+    assert {k: new[k] for k in old} == old
+
+
+def test_geometry_is_checked_before_the_fingerprint(tmp_path):
+    """Guards (10): rotations of another model (here a 2-layer Llama's) are named as such (the field and both values),
+    not as "same shapes, different values" with advice to allow other weights; also when found beside the model."""
+    small = tiny_model("llama", num_hidden_layers=2)
+    rotations = OscarRotations.data_free(small, "hadamard")
+    rotations.metadata = {"weight_fingerprint": weight_fingerprint(small)}
+    model = tiny_model("llama")
+    with pytest.raises(RotationFileError, match="num_hidden_layers is 2 in the rotation file but 3 in the model config"):
+        rotations.check_fingerprint(model, strict=False)
+    model.save_pretrained(tmp_path)
+    rotations.save_pretrained(tmp_path / "oscar")
+    model.config._name_or_path = str(tmp_path)
+    with pytest.raises(RotationFileError, match="num_hidden_layers is 2 in the rotation file"):
+        OscarRotations.from_pretrained(model, allow_other_weights=True)
+
+
+def test_fingerprint_is_computed_once_per_model_and_weight_state(monkeypatch):
+    """Guards (8): building caches for one model reads its weights for the fingerprint once, not per cache; a weight
+    changed in place (or replaced) is seen at the next cache, and refused."""
+    from oscar_hf import OscarCache, OscarConfig, rotations_io
+
+    calls = []
+    compute = rotations_io._compute_sketch
+    monkeypatch.setattr(rotations_io, "_compute_sketch", lambda tensors: calls.append(1) or compute(tensors))
+    model = tiny_model("llama")
+    rotations = OscarRotations.data_free(model, "hadamard")
+    rotations.metadata = {"weight_fingerprint": weight_fingerprint(model)}
+    config = OscarConfig(key_clip="none", value_clip="none")
+    for _ in range(3):
+        OscarCache(model, rotations, config)
+    assert len(calls) == 1
+    with torch.no_grad():
+        model.model.layers[2].self_attn.v_proj.weight.mul_(1.5)
+    with pytest.raises(RotationFileError, match=r"layers\.2\.v_proj\.weight differs"):
+        OscarCache(model, rotations, config)
+    assert len(calls) == 2
+    with torch.no_grad():
+        model.model.layers[2].self_attn.v_proj.weight.div_(1.5)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.weight = torch.nn.Parameter(torch.zeros_like(q_proj.weight))  # replaced, not written in place
+    with pytest.raises(RotationFileError, match=r"layers\.0\.q_proj\.weight differs"):
+        OscarCache(model, rotations, config)

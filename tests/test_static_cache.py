@@ -1,22 +1,21 @@
 """StaticOscarCache: the same storage and the same attention as OscarCache, in fixed buffers a compiled step can use.
 
-The reference is the dynamic `OscarCache` (itself checked against an independent oracle in test_oracle.py): both
-caches follow the same length formula, so on the same inputs they must store identical tensors and give the same
-logits (up to the order of float additions)."""
+The reference is the dynamic `OscarCache` (itself checked against an independent oracle in test_oracle.py): both are
+the same layers over the same position plan, so on the same inputs they must store identical tensors and give the
+same logits (up to the order of float additions)."""
 
 import pytest
 import torch
 
 from conftest import VOCAB, tiny_model
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
-from oscar_hf.static_cache import history_rows
 
 SMALL = dict(sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, value_clip=0.95)
 LAYOUTS = {"channel": OscarConfig(**SMALL), "token": OscarConfig(**SMALL, key_granularity="token", key_clip=0.9),
            # per-head key blocks (8 and 4 tokens) in chunks of 8, as a fitted allocation gives them
            "mixed": OscarConfig(**{**SMALL, "demotion_block": 8}),
-           # ... with wide key channels in head 0 and a wide (4-bit) head 1, as format 6 files give them
-           "wide": OscarConfig(**{**SMALL, "demotion_block": 8, "key_channel_bits": "fitted"})}
+           # ... with wide key channels in head 0 and a wide (4-bit) head 1, as calibrated files give them
+           "wide": OscarConfig(**{**SMALL, "demotion_block": 8})}
 
 
 def _pair(family="llama", layout="channel", max_cache_len=200, **model_kw):
@@ -55,13 +54,13 @@ def _assert_same_storage(dyn, sta):
 def test_prefill_decode_and_chunks_store_and_attend_like_the_dynamic_cache(family, layout):
     model, dyn, sta = _pair(family, layout)
     if layout in ("mixed", "wide"):
-        assert dyn.layers[0].key_layout.blocks == sta.layers[0].key_layout.blocks == (8, 4)
+        assert dyn.layers[0].fmt.keys.blocks == sta.layers[0].fmt.keys.blocks == (8, 4)
     if layout == "wide":
-        assert dyn.layers[0].history_keys.wide_channels == sta.layers[0].history_keys.wide_channels == (5, 0)
+        assert dyn.layers[0].fmt.keys.wide_channels == sta.layers[0].fmt.keys.wide_channels == (5, 0)
     with torch.no_grad():
         steps = [_ids(2, 37, 0)] + [_ids(2, 1, s) for s in range(1, 30)] + [_ids(2, 9, 99)] + [_ids(2, 1, s) for s in range(5)]
         for ids in steps:  # 30 single steps: blocks complete and the ring wraps (R = 8 + 2·4 = 16)
-            a, b = model(ids, past_key_values=dyn).logits, model(ids, past_key_values=sta).logits
+            a, b = model(ids, cache=dyn).logits, model(ids, cache=sta).logits
             assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
     assert int(sta.get_seq_length()) == dyn.get_seq_length() == 37 + 29 + 9 + 5
     _assert_same_storage(dyn, sta)
@@ -71,8 +70,8 @@ def test_generate_gives_the_dynamic_cache_tokens():
     model, dyn, sta = _pair()
     ids = _ids(2, 30, 1)
     with torch.no_grad():
-        a = model.generate(ids, past_key_values=dyn, max_new_tokens=25, do_sample=False, pad_token_id=0)
-        b = model.generate(ids, past_key_values=sta, max_new_tokens=25, do_sample=False, pad_token_id=0)
+        a = model.generate(ids, cache=dyn, max_new_tokens=25, do_sample=False, pad_token_id=0)
+        b = model.generate(ids, cache=sta, max_new_tokens=25, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
 
 
@@ -82,8 +81,8 @@ def test_left_padded_batch_matches_the_dynamic_cache():
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     with torch.no_grad():
-        a = model.generate(ids, attention_mask=mask, past_key_values=dyn, max_new_tokens=20, do_sample=False, pad_token_id=0)
-        b = model.generate(ids, attention_mask=mask, past_key_values=sta, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        a = model.generate(ids, attention_mask=mask, cache=dyn, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        b = model.generate(ids, attention_mask=mask, cache=sta, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
 
 
@@ -92,63 +91,85 @@ def test_the_decode_step_traces_as_one_graph_without_recompiling(monkeypatch):
     the lengths changing every step cause no recompilation (they live on the device)."""
     model, dyn, sta = _pair(max_cache_len=120)
     with torch.no_grad():
-        model(_ids(1, 30, 3), past_key_values=dyn)
-        model(_ids(1, 30, 3), past_key_values=sta)
-        step = torch.compile(lambda ids, pos: model(ids, past_key_values=sta, position_ids=pos).logits,
+        model(_ids(1, 30, 3), cache=dyn)
+        model(_ids(1, 30, 3), cache=sta)
+        step = torch.compile(lambda ids, pos: model(ids, cache=sta, position_ids=pos).logits,
                              backend="eager", fullgraph=True)
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
         for i in range(14):  # crosses block boundaries and wraps the ring
             ids, pos = _ids(1, 1, 10 + i), torch.tensor([[30 + i]])
-            a = model(ids, past_key_values=dyn, position_ids=pos).logits
+            a = model(ids, cache=dyn, position_ids=pos).logits
             b = step(ids, pos)
             assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item()), i
     torch._dynamo.reset()
     _assert_same_storage(dyn, sta)
 
 
-def test_crop_rolls_back_exactly_within_the_ring_and_refuses_beyond():
-    model, _, sta = _pair()
+def test_crop_rolls_back_exactly_within_the_ring_and_like_the_dynamic_cache_beyond():
+    model, dyn, sta = _pair()
     _, _, ref = _pair()
     with torch.no_grad():
-        model(_ids(1, 40, 4), past_key_values=sta)
-        model(_ids(1, 40, 4), past_key_values=ref)
+        for cache in (sta, ref, dyn):
+            model(_ids(1, 40, 4), cache=cache)
         for s in range(3):
-            model(_ids(1, 1, 20 + s), past_key_values=sta)
-        with pytest.raises(ValueError, match="BF16 ring"):
-            sta.crop(-(sta.plan.ring // 2))  # the removed tokens overwrote ring slots the shorter sequence needs
+            model(_ids(1, 1, 20 + s), cache=sta)
         with pytest.raises(ValueError, match="negative"):
             sta.crop(3)
         sta.crop(-3)  # as assisted decoding does after rejected candidates
         assert int(sta.get_seq_length()) == 40
         for s in range(9):  # the same continuation: identical to a cache that never saw the cropped tokens
             ids = _ids(1, 1, 50 + s)
-            a, b = model(ids, past_key_values=ref).logits, model(ids, past_key_values=sta).logits
+            a, b = model(ids, cache=ref).logits, model(ids, cache=sta).logits
             assert torch.equal(a, b)
-    for i in ref.geometry.oscar_layers:
-        assert all(torch.equal(x, y) for x, y in zip(ref.layers[i].stored_states(), sta.layers[i].stored_states()))
+        for i in ref.geometry.oscar_layers:
+            assert all(torch.equal(x, y) for x, y in zip(ref.layers[i].stored_states(), sta.layers[i].stored_states()))
+        # further back than the ring reaches: the window comes back from the history, as the dynamic cache does it
+        for s in range(9):
+            model(_ids(1, 1, 50 + s), cache=dyn)
+        dyn.crop(-sta.plan.ring)
+        sta.crop(-sta.plan.ring)
+        a, b = model(_ids(1, 3, 70), cache=dyn).logits, model(_ids(1, 3, 70), cache=sta).logits
+        assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
+
+
+def test_crop_is_refused_when_a_static_sliding_window_cannot_roll_back():
+    """transformers' static sliding-window layers keep only the window: once full, a crop cannot restore what the
+    removed tokens pushed out (Gemma 3 crop(-3) after 33 tokens moved the logits by 0.46, silently)."""
+    model, dyn, sta = _pair("gemma3")
+    with torch.no_grad():
+        model(_ids(1, 30, 4), cache=sta)
+        model(_ids(1, 3, 5), cache=sta)
+        before = int(sta.get_seq_length())
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            sta.crop(-3)
+        assert int(sta.get_seq_length()) == before  # refused before anything changed
+
+
+def test_reset_then_another_batch_size_reinitialises():
+    model, _, sta = _pair("gemma3")
+    _, _, fresh = _pair("gemma3")
+    with torch.no_grad():
+        model(_ids(3, 20, 4), cache=sta)
+        sta.reset()
+        a = model(_ids(2, 20, 5), cache=sta).logits
+        b = model(_ids(2, 20, 5), cache=fresh).logits
+        assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="holds a batch of 2 sequences, not 1"):
+            model(_ids(1, 1, 6), cache=sta)
 
 
 def test_beam_reorder_is_in_place():
     model, _, sta = _pair()
     with torch.no_grad():
-        model(_ids(3, 30, 5), past_key_values=sta)
-    layer = sta.layers[0]
-    before = [t.clone() for t in layer._buffers()]
-    pointers = [t.data_ptr() for t in layer._buffers()]
+        model(_ids(3, 30, 5), cache=sta)
+    storage = sta.layers[0].storage
+    before = [t.clone() for t in storage.buffers()]
+    pointers = [t.data_ptr() for t in storage.buffers()]
     sta.reorder_cache(torch.tensor([2, 0, 0]))
-    after = layer._buffers()
+    after = storage.buffers()
     assert [t.data_ptr() for t in after] == pointers
     for b, a in zip(before, after):
         assert torch.equal(a[0], b[2]) and torch.equal(a[1], b[0]) and torch.equal(a[2], b[0])
-
-
-def test_length_formula_matches_the_dynamic_layers_demotion():
-    model, dyn, sta = _pair()
-    with torch.no_grad():
-        for n in (3, 9, 1, 1, 1, 1, 17, 1, 1, 1, 1, 1):
-            model(_ids(1, n, n), past_key_values=dyn)
-            length = dyn.get_seq_length()
-            assert dyn.layers[0].history_keys.length == history_rows(length, 4, 8, 4), length
 
 
 def test_bad_use_is_refused_with_a_clear_message():
@@ -156,17 +177,18 @@ def test_bad_use_is_refused_with_a_clear_message():
     rot = OscarRotations.data_free(model, "hadamard")
     with pytest.raises(ValueError, match="max_cache_len"):
         StaticOscarCache(model, rot, LAYOUTS["channel"])
-    with pytest.raises(ValueError, match="2-bit"):
-        StaticOscarCache(model, rot, OscarConfig(**{**SMALL, "bits": 4}), max_cache_len=64)
     sdpa = tiny_model("llama", attn="sdpa")
     with pytest.raises(ValueError, match="oscar"):
         StaticOscarCache(sdpa, OscarRotations.data_free(sdpa, "hadamard"), LAYOUTS["channel"], max_cache_len=64)
     cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
-    with torch.no_grad(), pytest.raises(ValueError, match="holds 50 tokens"):
-        model(_ids(1, 60, 6), past_key_values=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match="holds max_cache_len=50 tokens; this pass would store 60"):
+        model(_ids(1, 60, 6), cache=cache)
     cache = StaticOscarCache(model, rot, LAYOUTS["channel"], max_cache_len=50)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="StaticOscarCache is full"):  # decode steps beyond it
-        model.generate(_ids(1, 40, 6), past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    # a generate call that would run past the buffers is refused on the host before its first step: inside a CUDA graph
+    # the device-side check would end the process's CUDA context
+    with torch.no_grad(), pytest.raises(ValueError, match="this generate call may store 59"):
+        model.generate(_ids(1, 40, 6), cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert cache.get_seq_length() == 0  # nothing ran
 
 
 def test_buffers_are_allocated_once_and_sized_by_the_layout():
@@ -176,16 +198,16 @@ def test_buffers_are_allocated_once_and_sized_by_the_layout():
     per token."""
     model, _, sta = _pair(max_cache_len=100)
     with torch.no_grad():
-        model(_ids(1, 30, 7), past_key_values=sta)
+        model(_ids(1, 30, 7), cache=sta)
         layer = sta.layers[0]
-        pointers = [t.data_ptr() for t in layer._buffers()]
+        pointers = [t.data_ptr() for t in layer.storage.buffers()]
         for s in range(20):
-            model(_ids(1, 1, 30 + s), past_key_values=sta)
-        model(_ids(1, 7, 77), past_key_values=sta)
-    assert [t.data_ptr() for t in layer._buffers()] == pointers
+            model(_ids(1, 1, 30 + s), cache=sta)
+        model(_ids(1, 7, 77), cache=sta)
+    assert [t.data_ptr() for t in layer.storage.buffers()] == pointers
     heads, d, s, w, b = 2, 16, 4, 8, 4
     ring, rows = w + 2 * b, -(-(100 - s) // b) * b
-    expected = 2 * (s + 1 + ring + 1) * heads * d * layer.sink_keys.element_size()  # sink and ring, model dtype
+    expected = 2 * (s + 1 + ring + 1) * heads * d * layer.storage.sink_keys.element_size()  # sink and ring
     expected += 2 * rows * heads * d // 4  # 2-bit codes, keys and values
     expected += (rows // b) * heads * d * 2 * 2 + rows * heads * 1 * 2 * 2  # fp16 (scale, min): keys per block, values per token
     assert layer.memory_bytes()["allocated"] == expected
@@ -198,12 +220,13 @@ def test_every_tensor_the_decode_step_reads_has_a_static_address():
     buffers, the plan and the per-layer constants (rotations) must all be marked."""
     model, _, sta = _pair(max_cache_len=100)
     with torch.no_grad():
-        model(_ids(1, 30, 7), past_key_values=sta)
+        model(_ids(1, 30, 7), cache=sta)
     for layer in sta.layers:
         tensors = {name: t for name, t in vars(layer).items() if isinstance(t, torch.Tensor) and not name.startswith("_")}
-        tensors.update({f"history.{k}": t for h in (layer.history_keys, layer.history_values) for k, t in h.buffers.items()})
+        tensors.update({name: t for name, t in vars(layer.storage).items() if isinstance(t, torch.Tensor)})
+        tensors.update({f"history.{i}": t for i, t in enumerate(layer.storage.keys.buffers + layer.storage.values.buffers)})
         tensors.update({f"plan.{k}": t for k, t in vars(layer.plan).items() if isinstance(t, torch.Tensor)})
-        assert {"key_rotation", "value_rotation", "ring_keys", "plan.write_rows"} <= set(tensors)
+        assert {"key_rotation", "value_rotation", "ring_keys", "plan.write_rows", "history.0"} <= set(tensors)
         unmarked = [name for name, t in tensors.items() if not hasattr(t, "_dynamo_static_input_type")]
         assert not unmarked, unmarked
 
@@ -211,7 +234,7 @@ def test_every_tensor_the_decode_step_reads_has_a_static_address():
 def _generate(model, ids, cache, **kw):
     kw.setdefault("max_new_tokens", 20)
     kw.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, pad_token_id=0, **kw)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, pad_token_id=0, **kw)
 
 
 @pytest.mark.parametrize("mode", ["sampling", "beam_search", "continued", "prompt_lookup"])
@@ -240,12 +263,12 @@ def test_batch_selection_and_expansion_follow_the_dynamic_cache():
     model, dyn, sta = _pair()
     with torch.no_grad():
         for cache in (dyn, sta):
-            model(_ids(3, 30, 11), past_key_values=cache)
+            model(_ids(3, 30, 11), cache=cache)
             cache.batch_select_indices(torch.tensor([2, 0]))
             cache.batch_repeat_interleave(2)
         for s in range(6):
             ids = _ids(4, 1, 40 + s)
-            a, b = model(ids, past_key_values=dyn).logits, model(ids, past_key_values=sta).logits
+            a, b = model(ids, cache=dyn).logits, model(ids, cache=sta).logits
             assert b.shape[0] == 4 and (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item())
 
 
@@ -267,15 +290,15 @@ def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatc
     monkeypatch.setattr(graphs.DecodeGraphs, "run", run)
     layers = len(sta.geometry.oscar_layers)
     with torch.no_grad():
-        model(_ids(3, 30, 5), past_key_values=sta)  # a chunk: no graphs
+        model(_ids(3, 30, 5), cache=sta)  # a chunk: no graphs
         assert keys == []
         for s in range(3):
-            model(_ids(3, 1, 50 + s), past_key_values=sta)
+            model(_ids(3, 1, 50 + s), cache=sta)
         assert len(keys) == 3 * 2 * layers and len(set(keys)) == 2 * layers
         sta.batch_select_indices(torch.tensor([2, 0]))
-        model(_ids(2, 1, 60), past_key_values=sta)
+        model(_ids(2, 1, 60), cache=sta)
         assert len(set(keys)) == 4 * layers
-        model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), past_key_values=sta)
+        model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), cache=sta)
     assert len(set(keys)) == 5 * layers  # the attention with a padding mask is a graph of its own
 
 

@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..cache import BatchOpsMixin
 from ..models import model_geometry
 from ..quant import QuantizedRows, dequantize_rows, quantize_rows
 
@@ -64,7 +63,7 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
 
 
-class KiviLayer(BatchOpsMixin, CacheLayerMixin):
+class KiviLayer(CacheLayerMixin):
     """KIVI storage of one full-attention layer.
 
     State (B batch, H KV heads, d head_dim, G group_size):
@@ -185,6 +184,26 @@ class KiviLayer(BatchOpsMixin, CacheLayerMixin):
             self.key_residual = self.key_residual[:, :, :-remove]
             self.value_residual = self.value_residual[:, :, :-remove]
 
+    # Beam search and batch selection move every tensor of the state (transformers' own layers move only
+    # `keys`/`values`: a quantized layer must move all of them).
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):
+        raise RuntimeError("KiviLayer does not support CPU offloading")
+
+    def prefetch(self):
+        raise RuntimeError("KiviLayer does not support CPU offloading")
+
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in ("key_codes", "key_meta", "key_residual", "value_codes", "value_meta", "value_residual"):
             tensor = getattr(self, name)
@@ -206,7 +225,7 @@ class KiviLayer(BatchOpsMixin, CacheLayerMixin):
 class KiviCache(Cache):
     """KIVI-2 KV cache for any model OscarCache supports; sliding-window layers stay a bounded BF16 window.
 
-    Usage: `model.generate(**inputs, past_key_values=KiviCache(model))` (any attention implementation).
+    Usage: `model.generate(**inputs, cache=KiviCache(model))` (any attention implementation).
     """
 
     def __init__(self, model, config: KiviConfig | None = None):

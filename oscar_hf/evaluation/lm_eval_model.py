@@ -1,9 +1,13 @@
 """The `oscar` model type for lm-eval (EleutherAI lm-evaluation-harness 0.4.x), where scoring goes through the cache.
 
     oscar-hf lm-eval --model oscar \\
-        --model_args pretrained=offline:smollm2-135m,method=oscar,rotations=ROT_DIR,dtype=bfloat16 \\
-        --tasks oscar_bb_siqa --num_fewshot 5 --device cpu --batch_size 1
+        --model_args pretrained=smollm2-135m,method=oscar,rotations=ROT_DIR,dtype=bfloat16 \\
+        --tasks oscar_bb_siqa_long --device cpu --batch_size 1
     # same as: python -m oscar_hf.evaluation.lm_eval_model --model oscar ...
+
+`pretrained` may name a model that installs from PyPI (`smollm2-135m`, also `offline:smollm2-135m`), as everywhere in
+oscar-hf: it is resolved to its local folder, never looked up on the Hub (`oscar-hf lm-eval` does so for any
+`--model`, `hf` included).
 
 lm-eval 0.4.13 discovers model types only through its registry, so `lm_eval --model oscar` works once this module is
 imported; the two commands above import it, add this package's offline tasks (`--include_path`), and hand the
@@ -19,8 +23,13 @@ passed in, would never be read (lm-eval issues #1105, #3298). `OscarLM` scores t
   Requests that share a context reuse one prefill (the cache is copied).
 - generate_until: `generate()` with a fresh cache of the method (the prompt prefill is exact, as in real use; every
   generated token attends to the stored prompt).
-Short contexts stay entirely inside the full-precision sink + window (64 + 256 tokens by default), where nothing is
-quantized: use `sink=`, `window=` and `residual=` (KIVI / HF cache) to shrink the windows, and/or few-shot prompts.
+
+Short contexts measure BF16, not the quantization: a context that fits the full-precision sink + window (64 + 256
+tokens by default, plus one demotion block) is never quantized, so a 0-shot multiple-choice score (`oscar_bb_siqa`,
+about 40 tokens a question) is the BF16 score. After every run the model logs how many scored tokens attended to
+quantized history (`history_tokens` of `scored_tokens`; a warning when none did). To reach the history, use the
+bundled `oscar_bb_siqa_long` (25-shot: about 900 tokens a question), `oscar_pg_ppl` (rolling perplexity of 3,000
+characters), `--num_fewshot`, or smaller windows (`sink=`, `window=`, and `residual=` for KIVI / the HF cache).
 
 model_args (besides HFLM's): method (see `oscar_hf.evaluation.methods`, default "oscar"), rotations (folder or Hub
 id, for calibrated methods), sink, window, residual, score_chunk (default 128).
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +55,46 @@ from ..rotations_io import OscarRotations
 from .methods import Windows, get_method
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+logger = logging.getLogger("lm_eval.oscar")  # lm-eval's command line shows its "lm_eval" loggers
+
+
+def resolve_pretrained(pretrained):
+    """`pretrained` as `from_pretrained` takes it: a model installed from PyPI (`smollm2-135m` or
+    `offline:smollm2-135m`, as every oscar-hf command resolves it) becomes its local folder; anything else (a
+    folder, a Hub id, a model object) is returned unchanged."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    from ..assets import OFFLINE_MODELS, model_path
+
+    name = pretrained[len("offline:"):] if pretrained.startswith("offline:") else None
+    if name is None and pretrained in OFFLINE_MODELS and not Path(pretrained).exists():
+        name = pretrained
+    if name is None:
+        return pretrained
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
+    return str(model_path(name))
+
+
+def quantized_tokens(cache) -> int:
+    """Tokens (per sequence) that `cache` holds in quantized form in its full-attention layers: an OSCAR history below
+    16 bits, KIVI's quantized blocks, the quantized part of transformers' QuantizedCache; 0 for a BF16 cache."""
+    from ..cache import OscarLayer
+    from .kivi import KiviLayer
+
+    count = 0
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, OscarLayer):
+            held = layer.plan.counts(layer.plan.current_length())[1] if layer.is_initialized and layer.fmt.bits < 16 else 0
+        elif isinstance(layer, KiviLayer):
+            held = max(layer.quantized_keys, layer.quantized_values)
+        elif hasattr(layer, "_quantized_keys") and getattr(layer, "is_initialized", False):  # transformers' QuantizedLayer
+            residual = layer.keys.shape[-2] if getattr(layer, "keys", None) is not None else 0
+            held = getattr(layer, "cumulative_length", 0) - residual
+        else:
+            held = 0
+        count = max(count, int(held))
+    return count
 
 
 @register_model("oscar")
@@ -52,11 +103,8 @@ class OscarLM(HFLM):
 
     def __init__(self, pretrained="offline:smollm2-135m", method: str = "oscar", rotations=None, sink: int = 64,
                  window: int = 256, residual: int = 128, score_chunk: int = 128, **kwargs):
+        pretrained = resolve_pretrained(pretrained)
         if isinstance(pretrained, str):
-            if pretrained.startswith("offline:"):
-                from ..assets import model_path
-
-                pretrained = str(model_path(pretrained.split(":", 1)[1]))
             import oscar_hf  # noqa: F401  (registers the "oscar" attention)
 
             kwargs.setdefault("attn_implementation", "oscar")
@@ -71,6 +119,32 @@ class OscarLM(HFLM):
         self.score_chunk = int(score_chunk)
         if self.score_chunk < 1:
             raise ValueError("score_chunk must be >= 1")
+        # What reached the quantized history: scored (loglikelihood) tokens whose query attended to at least one
+        # quantized token, and generation requests whose prompt was partly quantized. See `history_report`.
+        self.scored_tokens = self.history_tokens = 0
+        self.generations = self.history_generations = 0
+
+    def history_report(self) -> str:
+        """One line: how much of the scoring went through quantized history (the rest measured full precision)."""
+        parts = []
+        if self.scored_tokens:
+            parts.append(f"{self.history_tokens} of {self.scored_tokens} scored tokens "
+                         f"({100 * self.history_tokens / self.scored_tokens:.0f}%) attended to quantized history")
+        if self.generations:
+            parts.append(f"{self.history_generations} of {self.generations} generation prompts reached it")
+        windows = self.method.describe().get("oscar_config", {})
+        held = (f"sink {windows['sink_tokens']} + window {windows['window_tokens']} tokens"
+                if "sink_tokens" in windows else "its full-precision residual")
+        return (f"OscarLM {self.method.name}: {'; '.join(parts) or 'nothing scored'}; the others saw only BF16 "
+                f"({held}), so they measure BF16, not the quantization")
+
+    def _log_history(self) -> None:
+        if self.method.family == "bf16":
+            return
+        reached = self.history_tokens + self.history_generations
+        (logger.warning if reached == 0 else logger.info)(self.history_report()
+                                                            + ("" if reached else ": use longer contexts (e.g. "
+                                                               "oscar_bb_siqa_long, --num_fewshot) or smaller windows"))
 
     def make_cache(self):
         return self.method.make_cache(self.model, self.rotations)
@@ -90,6 +164,9 @@ class OscarLM(HFLM):
         for start in range(0, len(ids), self.score_chunk):
             chunk = torch.tensor([ids[start : start + self.score_chunk]], device=self.device)
             out.append(self.model(input_ids=chunk, use_cache=True, **{kwarg: cache}).logits[0].float())
+            # the chunk's queries attended to whatever was quantized once its own tokens were stored
+            self.scored_tokens += chunk.shape[1]
+            self.history_tokens += chunk.shape[1] if quantized_tokens(cache) else 0
         return torch.cat(out)
 
     @torch.no_grad()
@@ -122,23 +199,35 @@ class OscarLM(HFLM):
             results[i] = answer
             if requests[i][0] is not None:
                 self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+        self._log_history()
         return results
 
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        out = super().generate_until(requests, disable_tqdm=disable_tqdm)
+        self._log_history()
+        return out
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        generation_kwargs[cache_kwarg(self.model)] = self.make_cache()
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        cache = generation_kwargs[cache_kwarg(self.model)] = self.make_cache()
+        out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+        self.generations += context.shape[0]
+        self.history_generations += context.shape[0] if quantized_tokens(cache) else 0
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ offline tasks
 def task_dir() -> Path:
     """A folder with this package's offline lm-eval tasks, their data paths made absolute (lm-eval resolves
     `data_files` against the working directory, not the YAML): `oscar_bb_siqa` (BIG-bench social_iqa, multiple
-    choice, few-shot pool of 50) and `oscar_pg_ppl` (rolling loglikelihood of 10 evaluation essays)."""
+    choice, few-shot pool of 50; 0-shot by default, which stays in the BF16 windows), `oscar_bb_siqa_long` (the same,
+    25-shot by default: most of each context is in the quantized history) and `oscar_pg_ppl` (rolling
+    loglikelihood of 10 evaluation essays)."""
     folder = Path(tempfile.mkdtemp(prefix="oscar_lm_eval_tasks_"))
     test, fewshot = TASKS_DIR / "bb_siqa_test.jsonl", TASKS_DIR / "bb_siqa_fewshot.jsonl"
     (folder / "oscar_bb_siqa.yaml").write_text(
         (TASKS_DIR / "oscar_bb_siqa.yaml").read_text().replace("@TEST@", str(test)).replace("@FEWSHOT@", str(fewshot))
     )
+    (folder / "oscar_bb_siqa_long.yaml").write_text((TASKS_DIR / "oscar_bb_siqa_long.yaml").read_text())
     from ..assets import essay_split
 
     essays = list(essay_split("eval").values())[:10]
@@ -148,10 +237,18 @@ def task_dir() -> Path:
     return folder
 
 
+_TASK_MANAGER = None
+
+
 def task_manager():
+    """lm-eval's `TaskManager` with this package's offline tasks; built once per process (indexing lm-eval's own
+    tasks takes 10-20 s on a small CPU), then reused."""
+    global _TASK_MANAGER
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(task_dir()))
+    if _TASK_MANAGER is None:
+        _TASK_MANAGER = TaskManager(include_path=str(task_dir()))
+    return _TASK_MANAGER
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -160,7 +257,7 @@ def cli_main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = resolve_model_args(list(sys.argv[1:] if argv is None else argv))
     if "--include_path" not in argv:
         argv += ["--include_path", str(task_dir())]
     from lm_eval.__main__ import cli_evaluate
@@ -174,43 +271,22 @@ def cli_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------------------------ harness stage
-def run_tasks(args) -> int:
-    """`oscar-hf eval lm-eval`: the offline tasks for each method on one model; writes `<output>/<model>/lm_eval.json`."""
-    import time
+def resolve_model_args(argv: list[str]) -> list[str]:
+    """`argv` with `pretrained=NAME` of `--model_args` (any `--model`, `hf` included) resolved by
+    `resolve_pretrained`: a model installed from PyPI becomes its local folder, so lm-eval never asks the Hub."""
 
-    import lm_eval
+    def resolve(match):
+        return f"{match.group(1)}{resolve_pretrained(match.group(2))}"
 
-    from .methods import main_methods
-    from .runner import Session, select
-
-    windows = Windows(args.sink, args.window, args.residual)
-    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
-                      args.calibration_length)
-    methods = select(main_methods(windows), args.methods)
-    rotations = session.rotations(methods)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = task_manager()
-    results = {}
-    for name, method in methods.items():
-        start = time.perf_counter()
-        lm = OscarLM(pretrained=session.model, tokenizer=session.tokenizer, method=name, rotations=rotations.get(name),
-                     sink=windows.sink, window=windows.window, residual=windows.residual, batch_size=1)
-        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
-                                      limit=args.limit, log_samples=False, bootstrap_iters=1000, random_seed=0,
-                                      numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-        results[name] = {"results": out["results"], "n_samples": out.get("n-samples"),
-                         "seconds": round(time.perf_counter() - start, 1)}
-        summary = {t: {k: v for k, v in r.items() if isinstance(v, float)} for t, r in out["results"].items()}
-        print(f"[{session.info['name']}] lm-eval {name}: {summary} ({results[name]['seconds']} s)", flush=True)
-        meta = session.meta("lm-eval", methods, {
-            "data": {"tasks": tasks, "num_fewshot": args.num_fewshot, "limit": args.limit,
-                     "task_source": "BIG-bench social_iqa (bigbench 1.0.0 sdist, seed-0 shuffle, eval/build_tasks.py); "
-                                    "pg essays (evaluation split)"},
-            "calibration": session.calibration_meta(rotations),
-            "protocol": "OscarLM: context prefilled into the method's cache, continuation scored in chunks through it"})
-        session.write("lm_eval", meta, results)
-    return 0
+    out, in_args = [], False
+    for arg in argv:
+        if arg.startswith("-"):
+            in_args = arg in ("--model_args", "-a") or arg.startswith("--model_args=")
+        if in_args:
+            arg = re.sub(r"((?:^|[,=\s])pretrained=)([^,\s]+)", resolve, arg)
+            arg = re.sub(r'("pretrained"\s*:\s*")([^"]+)', resolve, arg)  # the JSON form
+        out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ clip only; KIVI and the HF cache use their own full-precision residual (128 by d
 scaled together (`Windows`) for short-context evaluations (multiple choice), where 64 + 256 tokens would hold the
 whole prompt in full precision.
 
-Rotations: methods name what they need (`rotations` field): "calibrated" (an OSCAR calibration with the method's
-own `OscarConfig`), or "identity"/"hadamard" (data-free). `Method.make_cache(model, rotations)` takes the calibrated
-`OscarRotations` when needed; `methods.build_rotations` makes them (and reuses calibration statistics).
+Rotations: methods name what they need (`rotations` field): "calibrated" (an OSCAR calibration for the method's
+own `OscarConfig`, with its `CalibrationConfig` and `RotationTargets`), or "identity"/"hadamard" (data-free).
+`Method.make_cache(model, rotations)` takes the calibrated `OscarRotations` when needed; `RotationStore` makes them
+(and reuses calibration statistics).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from ..cache import OscarCache, OscarLayer
-from ..config import DEFAULT_CLIP_GRID, OscarConfig
+from ..cache import OscarCache
+from ..calibrate import RotationTargets
+from ..config import CalibrationConfig, OscarConfig
 from ..models import model_geometry, text_config
 from ..rotations_io import OscarRotations
 from .kivi import KiviCache, KiviConfig
@@ -70,7 +72,9 @@ class Method:
         label: human-readable description for tables.
         family: "bf16", "oscar", "kivi" or "hf-quantized".
         rotations: for the oscar family, "calibrated", "identity" or "hadamard".
-        oscar: the `OscarConfig` (oscar family; for "calibrated" it is also the calibration config).
+        oscar: the `OscarConfig` (oscar family): what the cache stores, and the layout calibration fits for.
+        calibration: the `CalibrationConfig` of a "calibrated" method.
+        targets: how its rotations are built (`RotationTargets`; the ablations change it).
         kivi: the `KiviConfig` (kivi family).
         hf: `QuantizedCache` keyword arguments (hf-quantized family).
     """
@@ -80,13 +84,10 @@ class Method:
     family: str
     rotations: str | None = None
     oscar: OscarConfig | None = None
+    calibration: CalibrationConfig = CalibrationConfig()
+    targets: RotationTargets = RotationTargets()
     kivi: KiviConfig | None = None
     hf: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def center_keys(self) -> bool:
-        """OSCAR family with `OscarConfig.center_keys` (the calibrated rotations carry the key means)."""
-        return self.oscar is not None and self.oscar.center_keys
 
     @property
     def needs_calibration(self) -> bool:
@@ -117,7 +118,11 @@ class Method:
         out: dict[str, Any] = {"name": self.name, "label": self.label, "family": self.family}
         if self.oscar is not None:
             out["rotations"] = self.rotations
-            out["oscar_config"] = {k: v for k, v in self.oscar.to_dict().items() if k not in ("clip_grid",)}
+            out["oscar_config"] = self.oscar.to_dict()
+            if self.needs_calibration:
+                out["calibration_config"] = {k: v for k, v in self.calibration.to_dict().items()
+                                             if k not in ("tokens", "sequence_length", "clip_grid")}
+                out["rotation_targets"] = self.targets.describe()
         if self.kivi is not None:
             out["kivi_config"] = self.kivi.__dict__.copy()
         if self.hf:
@@ -142,19 +147,19 @@ def oscar_config(windows: Windows, **changes) -> OscarConfig:
     return OscarConfig(sink_tokens=windows.sink, window_tokens=windows.window, **changes)
 
 
+def oscar_method(name: str, label: str, config: OscarConfig, rotations: str = "calibrated", **calibration) -> Method:
+    """An OSCAR-family method; `calibration` holds `CalibrationConfig` fields and, under `targets`, `RotationTargets`."""
+    targets = calibration.pop("targets", RotationTargets())
+    return Method(name, label, "oscar", rotations, config, CalibrationConfig(**calibration), targets)
+
+
 def paper_layout(windows: Windows, **changes) -> OscarConfig:
-    """The paper's storage layout: token-wise keys (clipped, one scale/minimum per token), demotion in blocks of 8,
-    the calibrated key rotation kept as it is."""
-    return oscar_config(windows, key_granularity="token", demotion_block=8, choose_key_basis=False,
-                        key_channel_bits="uniform", **changes)
+    """The paper's storage layout: token-wise keys (clipped, one scale/minimum per token), demotion in blocks of 8."""
+    return oscar_config(windows, key_granularity="token", demotion_block=8, **changes)
 
 
-def reference_config(windows: Windows) -> OscarConfig:
-    """The reference implementation's recipe: the paper's layout, shared per-layer rotation, logit-weighted value
-    target, fixed clips."""
-    return paper_layout(
-        windows, per_head=False, value_target="logit", key_clip=REFERENCE_CLIPS[0], value_clip=REFERENCE_CLIPS[1]
-    )
+# the paper's recipe keeps the calibrated key rotation as it is, and has no per-head refinements
+PAPER_CALIBRATION = dict(choose_key_basis=False, key_channel_bits="uniform")
 
 
 def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
@@ -164,13 +169,14 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
     r = windows.residual
     methods = [
         Method("bf16", "BF16 DynamicCache", "bf16"),
-        Method("oscar", "OSCAR INT2, oscar-hf default (channel-wise keys over per-head blocks, each 2-bit head's raw "
-               "channels at 0/2/4 bits water-filled by held-out query energy x key error, 4-bit heads in a per-head "
-               "basis; values U·H·P token-wise, fitted clips)", "oscar", "calibrated", oscar_config(windows)),
-        Method("oscar-token", "OSCAR INT2 in the paper's layout (token-wise keys, per-head U·H·P, fitted clips)",
-               "oscar", "calibrated", paper_layout(windows)),
-        Method("oscar-ref", "OSCAR reference recipe (paper layout, per-layer R, logit V target, clips 0.96/0.92)",
-               "oscar", "calibrated", reference_config(windows)),
+        oscar_method("oscar", "OSCAR INT2, oscar-hf default (channel-wise keys over per-head blocks, each 2-bit head's "
+                     "raw channels at 0/2/4 bits water-filled by held-out query energy x key error, 4-bit heads in a "
+                     "per-head basis; values U·H·P token-wise, fitted clips)", oscar_config(windows)),
+        oscar_method("oscar-token", "OSCAR INT2 in the paper's layout (token-wise keys, per-head U·H·P, fitted clips)",
+                     paper_layout(windows), **PAPER_CALIBRATION),
+        oscar_method("oscar-ref", "OSCAR reference recipe (paper layout, per-layer R, logit V target, clips 0.96/0.92)",
+                     paper_layout(windows, key_clip=REFERENCE_CLIPS[0], value_clip=REFERENCE_CLIPS[1]),
+                     **PAPER_CALIBRATION, targets=RotationTargets(per_head=False, value_target="logit")),
         Method("naive-int2", "naive INT2 (token-wise, no rotation, no clip)", "oscar", "identity",
                paper_layout(windows, **off)),
         Method("hadamard-int2", "Hadamard-only INT2 (H·P, no clip; QuaRot-style)", "oscar", "hadamard",
@@ -180,8 +186,8 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
         Method("kivi2-g64", f"KIVI-2, group 64, residual {max(r, 64)} (matched bits)", "kivi",
                kivi=KiviConfig(2, 64, max(r, 64))),
         Method("kivi2-g128", f"KIVI-2, group 128, residual {max(r, 128)}", "kivi", kivi=KiviConfig(2, 128, max(r, 128))),
-        Method("oscar-s32w64", f"OSCAR INT2, sink {sink_small} / window {window_small} (matched bits)", "oscar",
-               "calibrated", oscar_config(Windows(sink_small, window_small, r))),
+        oscar_method("oscar-s32w64", f"OSCAR INT2, sink {sink_small} / window {window_small} (matched bits)",
+                     oscar_config(Windows(sink_small, window_small, r))),
         Method("hf-hqq-int2", f"transformers QuantizedCache, HQQ 2-bit, per-token groups of 64, residual {r}",
                "hf-quantized", hf=dict(backend="hqq", nbits=2, axis_key=1, axis_value=1, q_group_size=64,
                                        residual_length=r)),
@@ -193,90 +199,56 @@ def main_methods(windows: Windows = Windows()) -> dict[str, Method]:
 
 def ablation_methods(windows: Windows = Windows()) -> dict[str, Method]:
     """The paper's ablations (Tables 4-5 and the clip study), on OSCAR in the paper's layout (token-wise keys), with
-    its calibration statistics reused. The ablation of this library's own levers is `format_methods`."""
+    its calibration statistics reused."""
     base = paper_layout(windows)
-    fitted = dict(key_clip="fitted", value_clip="fitted")
-    rows: list[tuple[str, str, OscarConfig, str]] = [
-        ("oscar-token", "OSCAR in the paper's layout (U·H·P, per head, attention V target, fitted clips)", base,
+    T = RotationTargets
+    rows: list[tuple[str, str, OscarConfig, RotationTargets, str]] = [
+        ("oscar-token", "OSCAR in the paper's layout (U·H·P, per head, attention V target, fitted clips)", base, T(),
          "calibrated"),
-        ("no-U", "w/o U: H·P (data-free) + fitted clips", base.replace(key_target="hadamard", value_target="hadamard"), "calibrated"),
-        ("no-H", "w/o H: U·P", base.replace(use_hadamard=False), "calibrated"),
-        ("no-P", "w/o P: U·H (group = head_dim: P cannot matter)", base.replace(use_permutation=False), "calibrated"),
-        ("g32", "OSCAR, quantization groups of 32", base.replace(group_size=32), "calibrated"),
-        ("g32-no-P", "w/o P, groups of 32 (where P can matter)", base.replace(group_size=32, use_permutation=False), "calibrated"),
-        ("no-rotation", "no rotation, fitted clips only", base.replace(key_target="identity", value_target="identity"), "calibrated"),
-        ("ktk-vtv", "U from KᵀK / VᵀV (reconstruction targets)", base.replace(key_target="key", value_target="value"), "calibrated"),
-        ("logit-v", "logit-weighted V target (reference code)", base.replace(value_target="logit"), "calibrated"),
-        ("shared-per-layer", "one rotation per layer (reference code)", base.replace(per_head=False), "calibrated"),
-        ("clip-none", "no clip", base.replace(key_clip="none", value_clip="none"), "calibrated"),
-        ("clip-ref", "fixed clips 0.96 / 0.92 (reference)", base.replace(key_clip=REFERENCE_CLIPS[0], value_clip=REFERENCE_CLIPS[1]), "calibrated"),
-        ("sw-0-0", "sink 0 / window 0", base.replace(sink_tokens=0, window_tokens=0, **fitted), "calibrated"),
-        ("sw-32-128", "sink 32 / window 128", base.replace(sink_tokens=32, window_tokens=128), "calibrated"),
-        ("sw-128-512", "sink 128 / window 512", base.replace(sink_tokens=128, window_tokens=512), "calibrated"),
+        ("no-U", "w/o U: H·P (data-free) + fitted clips", base, T("hadamard", "hadamard"), "calibrated"),
+        ("no-H", "w/o H: U·P", base, T(hadamard=False), "calibrated"),
+        ("no-P", "w/o P: U·H (group = head_dim: P cannot matter)", base, T(permutation=False), "calibrated"),
+        ("g32", "OSCAR, quantization groups of 32", base.replace(group_size=32), T(), "calibrated"),
+        ("g32-no-P", "w/o P, groups of 32 (where P can matter)", base.replace(group_size=32), T(permutation=False),
+         "calibrated"),
+        ("no-rotation", "no rotation, fitted clips only", base, T("identity", "identity"), "calibrated"),
+        ("ktk-vtv", "U from KᵀK / VᵀV (reconstruction targets)", base, T("key", "value"), "calibrated"),
+        ("logit-v", "logit-weighted V target (reference code)", base, T(value_target="logit"), "calibrated"),
+        ("shared-per-layer", "one rotation per layer (reference code)", base, T(per_head=False), "calibrated"),
+        ("clip-none", "no clip", base.replace(key_clip="none", value_clip="none"), T(), "calibrated"),
+        ("clip-ref", "fixed clips 0.96 / 0.92 (reference)",
+         base.replace(key_clip=REFERENCE_CLIPS[0], value_clip=REFERENCE_CLIPS[1]), T(), "calibrated"),
+        ("sw-0-0", "sink 0 / window 0", base.replace(sink_tokens=0, window_tokens=0), T(), "calibrated"),
+        ("sw-32-128", "sink 32 / window 128", base.replace(sink_tokens=32, window_tokens=128), T(), "calibrated"),
+        ("sw-128-512", "sink 128 / window 512", base.replace(sink_tokens=128, window_tokens=512), T(), "calibrated"),
         ("naive-int2-sw-0-0", "naive INT2, sink 0 / window 0 (the paper's naive baseline)",
-         base.replace(sink_tokens=0, window_tokens=0, key_clip="none", value_clip="none"), "identity"),
+         base.replace(sink_tokens=0, window_tokens=0, key_clip="none", value_clip="none"), T(), "identity"),
     ]
-    return {name: Method(name, label, "oscar", rot, cfg) for name, label, cfg, rot in rows}
-
-
-def centering_methods(windows: Windows = Windows()) -> dict[str, Method]:
-    """The key-centering experiment (`oscar-hf eval centering`): OSCAR with the calibrated key mean subtracted."""
-    return {"oscar_centered": Method("oscar_centered", "OSCAR INT2, keys centered by their calibrated mean", "oscar",
-                                     "calibrated", oscar_config(windows).replace(center_keys=True))}
+    return {name: oscar_method(name, label, cfg, rot, targets=targets, **PAPER_CALIBRATION)
+            for name, label, cfg, targets, rot in rows}
 
 
 def format_methods(windows: Windows = Windows()) -> dict[str, Method]:
-    """The storage-format study (issue: "a 2-bit cache you can trust"): token-wise keys (the paper's recipe and the
-    centered variant) against channel-wise keys over demoted blocks, with each key rotation. The levers are changes
-    to format 5's default (2 bits in every key channel, `oscar-uniform-channels`), on which they were measured; the
-    default (`oscar`) is that with water-filled key channels."""
-    base = oscar_config(windows, key_channel_bits="uniform")
-    b128 = base.replace(key_block=128, key_block_allocation="uniform")
-    b64 = base.replace(key_block_allocation="uniform")
-    fixed = b128.replace(choose_key_basis=False)
+    """The default with one of its refinements taken away (`oscar-hf eval format`): what each lever adds."""
+    base = oscar_config(windows)
     rows = [
-        ("oscar-token-centered", "paper layout, keys centered by their calibrated mean",
-         paper_layout(windows, center_keys=True)),
-        ("oscar-ch-uhp", "channel-wise keys (blocks of 128) in the calibrated U·H·P basis", fixed.replace(key_target="query")),
-        ("oscar-ch-h", "channel-wise keys (blocks of 128) in the data-free H·P basis", fixed.replace(key_target="hadamard")),
-        ("oscar-ch-id", "channel-wise keys (blocks of 128), keys not rotated", fixed.replace(key_target="identity")),
-        ("oscar-ch-auto", "channel-wise keys (blocks of 128), basis chosen per head on held-out error", b128),
-        ("oscar-ch-id-b64", "channel-wise keys (blocks of 64), keys not rotated",
-         b64.replace(choose_key_basis=False, key_target="identity")),
-        ("oscar-ch-uhp-b64", "channel-wise keys (blocks of 64) in the calibrated U·H·P basis",
-         b64.replace(choose_key_basis=False, key_target="query")),
-        ("oscar-uniform-b64", "format 5's default with key blocks of 64 for every head (no per-head allocation)", b64),
-        ("oscar-h-keys", "format 5's default with keys in the data-free H·P basis for every head (no per-head basis choice)",
-         base.replace(choose_key_basis=False, key_target="hadamard")),
-        ("oscar-hpref2", "format 5's default, the data-free H·P key basis kept unless another's held-out error is 2x lower",
-         base.replace(key_basis_hadamard_preference=2.0)),
-        ("oscar-no-wide", "format 5's default without wide heads (every head at 2 bits: format 4's default)",
-         base.replace(wide_heads="none")),
-        ("oscar-values-g128", "format 5's default with value groups of 128 channels (head_dim 256: values 2.25 bits, history "
-         "2.375 like head_dim 128)", base.replace(group_size=128)),
-        # diagnostics, not equal bits: which side limits retrieval (one more bit of metadata on keys or on values)
-        ("oscar-diag-keys-b32", "diagnostic: format 5's default with key blocks of 32 (keys 3 bits/element at head_dim 64)",
-         base.replace(key_block=32, key_block_allocation="uniform")),
-        ("oscar-diag-values-g32", "diagnostic: format 5's default with value groups of 32 (values 3 bits/element)",
-         base.replace(group_size=32)),
-        # the head_dim-64 budget of the accuracy issue (history <= 2.75 bits): key metadata of 32 on average, allocated
-        # per head among 16/32/64 (keys 3 bits, history 2.75 at head_dim 64; 2.625 at 128, over that budget)
-        ("oscar-kb32-fitted", "format 5's default at key_block 32 (per-head blocks of 16/32/64): history 2.75 bits at "
-         "head_dim 64", base.replace(key_block=32)),
-        # what format 6's water-filled key channels (the default, `oscar`) are measured against
-        ("oscar-uniform-channels", "format 5's default: 2 bits in every key channel of the per-head basis "
-         "(OscarConfig.key_channel_bits='uniform'; the `oscar` rows measured before 2026-12-05)", base),
-        # the value clip of the default (channel-wise keys are not clipped): fitted per head, fixed, or none
+        ("oscar-token-centered", "paper layout, keys centered by their calibrated mean", paper_layout(windows),
+         dict(PAPER_CALIBRATION, center_keys=True)),
+        ("oscar-uniform-b64", "the default with key blocks of 64 for every head (no per-head allocation)", base,
+         dict(key_block_allocation="uniform")),
+        ("oscar-no-wide", "the default without 4-bit heads (every head at 2 bits)", base, dict(wide_heads="none")),
+        ("oscar-uniform-channels", "the default with 2 bits in every key channel of the per-head basis "
+         "(CalibrationConfig.key_channel_bits='uniform')", base, dict(key_channel_bits="uniform")),
         ("oscar-value-clip-ref", "the default with the reference's fixed value clip 0.92 instead of the fitted ones",
-         oscar_config(windows).replace(value_clip=REFERENCE_CLIPS[1])),
-        ("oscar-value-clip-none", "the default without value clipping", oscar_config(windows).replace(value_clip="none")),
+         base.replace(value_clip=REFERENCE_CLIPS[1]), {}),
+        ("oscar-value-clip-none", "the default without value clipping", base.replace(value_clip="none"), {}),
     ]
-    return {name: Method(name, label, "oscar", "calibrated", cfg) for name, label, cfg in rows}
+    return {name: oscar_method(name, label, cfg, **calibration) for name, label, cfg, calibration in rows}
 
 
 def all_methods(windows: Windows = Windows()) -> dict[str, Method]:
     methods = dict(main_methods(windows))
-    for name, m in {**ablation_methods(windows), **centering_methods(windows), **format_methods(windows)}.items():
+    for name, m in {**ablation_methods(windows), **format_methods(windows)}.items():
         methods.setdefault(name, m)
     return methods
 
@@ -289,30 +261,16 @@ def get_method(name: str, windows: Windows = Windows()) -> Method:
 
 
 # ------------------------------------------------------------------------------------------------ rotations
-def calibration_key(config: OscarConfig) -> str:
-    """What determines a calibrated rotation file: the rotation options, and the clip fit's layout."""
-    fields = ("bits", "group_size", "sink_tokens", "window_tokens", "key_target", "value_target", "per_head",
-              "use_hadamard", "use_permutation", "scale_dtype", "calibration_tokens", "calibration_sequence_length",
-              "heldout_tokens", "key_granularity", "demotion_block", "choose_key_basis")
-    key = ",".join(f"{f}={getattr(config, f)}" for f in fields)
-    if config.key_granularity == "channel" and (config.key_block != config.demotion_block
-                                                or config.key_block_allocation != "uniform"):
-        key += f",key_block={config.key_block},key_block_allocation={config.key_block_allocation}"
-        if config.key_block_allocation == "fitted":  # its budget (None: the head_dim rule of allocation_key_bits)
-            key += f",allocation_history_bits={config.allocation_history_bits}"
-    if config.key_basis_hadamard_preference != 1.0:
-        key += f",key_basis_hadamard_preference={config.key_basis_hadamard_preference}"
-    if config.clip_grid != DEFAULT_CLIP_GRID:  # the fitted clips are picked from this grid
-        key += ",clip_grid=" + "/".join(f"{r:g}" for r in config.clip_grid)
-    if config.wide_layout and config.wide_heads != "none":
-        key += f",wide_heads={config.wide_heads},wide_history_bits={config.wide_history_bits}"
-    if config.wide_channel_layout and config.key_channel_bits != "uniform":
-        key += f",key_channel_bits={config.key_channel_bits}"
-    return key + ",center_keys=True" if config.center_keys else key  # unchanged keys (folders) for the rest
+def calibration_key(method: Method, tokens: int, sequence_length: int) -> str:
+    """What determines a method's calibrated rotation file (its folder name): the storage layout calibration fits
+    for, the calibration settings and the rotation targets."""
+    calibration = method.calibration.replace(tokens=tokens, sequence_length=sequence_length)
+    parts = {**method.oscar.to_dict(), **calibration.to_dict(), **method.targets.describe()}
+    return ",".join(f"{k}={'/'.join(f'{r:g}' for r in v) if isinstance(v, list) else v}" for k, v in parts.items())
 
 
 class RotationStore:
-    """Calibrates once per model, then rebuilds rotations for other configs from the saved statistics.
+    """Calibrates once per model, then rebuilds rotations for other methods from the saved statistics.
 
     `rotations_for(method)` returns the calibrated `OscarRotations` for a method that needs them (None otherwise).
     """
@@ -327,12 +285,11 @@ class RotationStore:
         self.cache: dict[str, OscarRotations] = {}
         self.seconds: dict[str, float] = {}
 
-    def calibration_config(self, config: OscarConfig) -> OscarConfig:
-        return config.replace(calibration_tokens=self.calibration_tokens,
-                              calibration_sequence_length=self.calibration_sequence_length)
+    def key(self, method: Method) -> str:
+        return calibration_key(method, self.calibration_tokens, self.calibration_sequence_length)
 
-    def put(self, config: OscarConfig, rotations: OscarRotations) -> None:
-        self.cache[calibration_key(self.calibration_config(config))] = rotations
+    def put(self, method: Method, rotations: OscarRotations) -> None:
+        self.cache[self.key(method)] = rotations
 
     def rotations_for(self, method: Method) -> OscarRotations | None:
         if not method.needs_calibration:
@@ -341,12 +298,14 @@ class RotationStore:
 
         from ..calibrate import calibrate
 
-        config = self.calibration_config(method.oscar)
-        key = calibration_key(config)
+        key = self.key(method)
         if key not in self.cache:
             start = time.perf_counter()
-            rotations = calibrate(self.model, self.tokenizer, data=self.data, config=config,
-                                  progress=self.progress, statistics=self.statistics)
+            calibration = method.calibration.replace(tokens=self.calibration_tokens,
+                                                     sequence_length=self.calibration_sequence_length)
+            rotations = calibrate(self.model, self.tokenizer, data=self.data, config=method.oscar,
+                                  calibration=calibration, progress=self.progress, statistics=self.statistics,
+                                  targets=method.targets)
             self.statistics = rotations.statistics
             self.seconds[key] = time.perf_counter() - start
             self.cache[key] = rotations
@@ -414,7 +373,7 @@ def _quantized_shape(layer) -> tuple[int, int, int]:
 def nominal_history_bits(method: Method, head_dim: int) -> float | None:
     """Bits per element of the quantized part alone (the asymptote at long context), from the configuration."""
     if method.family == "oscar":
-        return method.oscar.history_bits_per_element(head_dim)
+        return method.calibration.history_bits_per_element(method.oscar, head_dim)
     if method.family == "kivi":
         return method.kivi.history_bits_per_element(head_dim)
     if method.family == "hf-quantized":
@@ -457,9 +416,8 @@ def fill_from_prefill(cache: Cache, prefilled: DynamicCache) -> Cache:
                 raise ValueError(f"layer {i} is a sliding-window layer in the prefill but not in the target cache")
             cache.layers[i] = copy.deepcopy(source)
             continue
-        layer = cache.layers[i]
-        if isinstance(layer, OscarLayer):
-            layer.store(source.keys, source.values)  # no attention call follows: no view to hand over
+        if isinstance(cache, OscarCache):
+            cache.store(source.keys, source.values, i)  # no attention call follows: nothing to hand over
         else:
             cache.update(source.keys, source.values, i)
     return cache
@@ -471,6 +429,6 @@ def head_dim_of(model) -> int:
 
 
 __all__ = [
-    "Method", "Windows", "main_methods", "ablation_methods", "centering_methods", "all_methods", "get_method", "RotationStore",
+    "Method", "Windows", "main_methods", "ablation_methods", "format_methods", "all_methods", "get_method", "RotationStore",
     "cache_bits", "nominal_history_bits", "hf_quantized_cache", "fill_from_prefill", "head_dim_of",
 ]

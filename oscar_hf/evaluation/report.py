@@ -20,7 +20,7 @@ from .methods import Windows, main_methods
 
 
 def add_arguments(parser) -> None:
-    from ..cli import MODEL_HELP
+    from ..loading import MODEL_HELP
 
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--rotations", default=None, help="OSCAR rotations (folder or Hub id); needed for oscar methods")
@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..cli import UsageError, load_config, load_rotations, load_model
+    from ..loading import UsageError, load_config, load_model, load_rotations
     from ..data import load_texts, token_sequences
     from .diagnostics import format_table, layer_errors, plot
 

@@ -10,8 +10,8 @@ Stages (each writes `<output>/<model>/<stage>.json`):
 - niah:        needle-in-a-haystack (`niah.py`), lengths × depths × seeds, main methods.
 - diagnostics: per-layer attention KL / output errors vs BF16 (`diagnostics.py`).
 - lm-eval:     offline lm-eval tasks through `OscarLM` (`lm_eval_model.py`).
-- centering:   the key-centering experiment (`centering.py`, not part of `all`): the key-mean diagnostic
-               (`centering_keys.json`) and perplexity for bf16 / oscar / oscar_centered / kivi2 (`centering_ppl.json`).
+- format:      perplexity of the default with one of its refinements taken away (`format_ppl.json`; not part of
+               `all`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ from pathlib import Path
 import torch
 
 from .. import assets
-from ..config import OscarConfig
 from ..data import token_sequences
 from ..metrics import perplexity
 from ..rotations_io import OscarRotations
 from .domains import evaluation_texts
-from .methods import Method, RotationStore, Windows, ablation_methods, all_methods, cache_bits, calibration_key, centering_methods, format_methods, head_dim_of, main_methods, nominal_history_bits
+from .methods import (Method, RotationStore, Windows, ablation_methods, all_methods, cache_bits, format_methods,
+                      head_dim_of, main_methods, nominal_history_bits)
 
 STAGES = ("ppl", "ablations", "diagnostics", "niah", "lm-eval")
-EXPERIMENTS = ("centering", "format")  # stages outside `all`
-CENTERING_METHODS = "bf16,oscar,oscar_centered,kivi2"
-# the levers of the default layout, one at a time: paper layout -> centered -> channel-wise keys in each basis ->
-# per-head basis choice -> blocks of 64 (= `oscar`, the default); KIVI-2 at equal and at more bits
-FORMAT_METHODS = ("bf16,oscar-token,oscar-token-centered,oscar-ch-uhp,oscar-ch-h,oscar-ch-id,oscar-ch-auto,"
-                  "oscar-ch-id-b64,oscar,kivi2-g64,kivi2")
+EXPERIMENTS = ("format",)  # stages outside `all`
+# the default's refinements, one taken away at a time, against the paper layout and KIVI-2 at equal and more bits
+FORMAT_METHODS = ("bf16,oscar-token,oscar-token-centered,oscar-uniform-b64,oscar-no-wide,oscar-uniform-channels,oscar,"
+                  "kivi2-g64,kivi2")
 
 
 def versions() -> dict:
@@ -125,11 +123,10 @@ class Session:
         for name, method in methods.items():
             if not method.needs_calibration:
                 continue
-            config = self.store.calibration_config(method.oscar)
-            folder = self.rotation_dir / _slug(calibration_key(config))
+            folder = self.rotation_dir / _slug(self.store.key(method))
             if (folder / "oscar_rotations.json").is_file() and self.store.statistics is None:
                 rotations = OscarRotations.from_pretrained(folder)
-                self.store.put(config, rotations)
+                self.store.put(method, rotations)
             rotations = self.store.rotations_for(method)
             if not (folder / "oscar_rotations.json").is_file():
                 rotations.save_pretrained(folder)
@@ -254,23 +251,6 @@ class Session:
         print(f"wrote {path}", flush=True)
         return path
 
-    def centering(self, methods: dict[str, Method], **ppl) -> Path:
-        """The key-centering experiment: perplexity (`centering_ppl.json`) and key diagnostic (`centering_keys.json`)."""
-        path = self.perplexity(methods, stage="centering_ppl", **ppl)
-        from .centering import key_diagnostic
-
-        rotations = self.rotations(methods)
-        diagnostics = {}
-        for name, m in methods.items():
-            if m.center_keys and m.needs_calibration:
-                plain = dataclasses.replace(m, name=m.name + "-plain", oscar=m.oscar.replace(center_keys=False))
-                plain_rotations = self.rotations({plain.name: plain})[plain.name]
-                diagnostics[name] = key_diagnostic(self.model, self.tokenizer, plain_rotations, rotations[name],
-                                                   self.store.calibration_config(m.oscar), self.store.data)
-        meta = self.meta("centering_keys", methods, {"calibration": self.calibration_meta(rotations)})
-        self.write("centering_keys", meta, diagnostics)
-        return path
-
     def diagnostics(self, methods: dict[str, Method], sequences: int = 2, context: int = 1536, chunk: int = 128) -> Path:
         from .diagnostics import layer_errors
 
@@ -322,10 +302,10 @@ def check_same_methods(stored: dict[str, dict], methods: dict[str, dict], kept: 
     configuration (`stored`, as `Method.describe` wrote it): one cell would count two caches' hits under one name,
     as after the default changes. A field a stored configuration lacks is a difference (the code that wrote it had
     no such field, so what it did then is not known here), unless it is inert in the new configuration
-    (`OscarConfig.inert_fields`, e.g. channel-wise key blocks under token-wise keys): then neither code used it."""
+    (`_inert_fields`, e.g. channel-wise key blocks under token-wise keys): then neither code used it."""
     for name in sorted(kept & set(methods) & set(stored)):
         old, new = _measured_config(stored[name]), _measured_config(methods[name])
-        inert = _inert_fields(methods[name])
+        inert = _inert_fields(new)
         differ = sorted(k for k in set(old) | set(new) if old.get(k, "(absent)") != new.get(k, "(absent)")
                         and not (k not in old and k in inert))
         if differ:
@@ -336,24 +316,52 @@ def check_same_methods(stored: dict[str, dict], methods: dict[str, dict], kept: 
                 + "): measure the same trials again to replace them, or write elsewhere with --output")
 
 
-def _inert_fields(described: dict) -> set[str]:
-    """`OscarConfig.inert_fields` of a described method, as `_measured_config` names them."""
-    config = described.get("oscar_config")
-    if not config:
-        return set()
-    from ..config import OscarConfig
-
-    try:
-        return {f"oscar_config.{k}" for k in OscarConfig.from_dict(config).inert_fields}
-    except (TypeError, ValueError):  # not a configuration this code can build: every field counts
-        return set()
+def _inert_fields(config: dict) -> set[str]:
+    """Fields of a flat measured configuration (`_measured_config`) that change nothing it stores or calibrates: the
+    channel-wise key layout's under token-wise keys, the wide heads' where the layout cannot hold them, a fitted
+    allocation's budget under uniform blocks."""
+    get = config.get
+    channel = get("oscar_config.key_granularity", "channel") == "channel"
+    two_bit = get("oscar_config.bits", 2) == 2
+    inert = set()
+    if not channel:
+        inert |= {"oscar_config.key_block", "calibration_config.key_block_allocation",
+                  "calibration_config.allocation_history_bits"}
+    elif get("calibration_config.key_block_allocation") == "uniform":
+        inert.add("calibration_config.allocation_history_bits")
+    if not (two_bit and channel and get("oscar_config.group_size") is None):
+        inert |= {"calibration_config.wide_heads", "calibration_config.wide_history_bits"}
+    if not (two_bit and channel):
+        inert.add("calibration_config.key_channel_bits")
+    return inert
 
 
 def _measured_config(described: dict) -> dict:
-    """What decides a method's cache in its `Method.describe()` record, as one flat dict."""
+    """What decides a method's cache in its `Method.describe()` record, as one flat dict. Records of oscar-hf 0.1 kept
+    calibration and rotation-target fields in `oscar_config`: each is filed under its place now."""
+    from ..config import LEGACY_CALIBRATION_NAMES, LEGACY_RECIPE_FIELDS, CalibrationConfig
+
     out = {k: described[k] for k in ("family", "rotations") if k in described}
-    for part in ("oscar_config", "kivi_config", "hf_quantized_cache"):
-        out.update({f"{part}.{k}": v for k, v in (described.get(part) or {}).items()})
+    calibration_fields = {f for f in CalibrationConfig.__dataclass_fields__}
+    for part in ("oscar_config", "calibration_config", "rotation_targets", "kivi_config", "hf_quantized_cache"):
+        for k, v in (described.get(part) or {}).items():
+            k = LEGACY_CALIBRATION_NAMES.get(k, k)
+            if part in ("oscar_config", "calibration_config") and k in ("tokens", "sequence_length", "clip_grid",
+                                                                         "key_basis_hadamard_preference"):
+                continue  # recorded elsewhere (calibration meta), or no longer a setting
+            if part == "oscar_config" and k in calibration_fields:
+                out[f"calibration_config.{k}"] = v
+            elif part == "oscar_config" and k in LEGACY_RECIPE_FIELDS:
+                out[f"rotation_targets.{k}"] = v
+            else:
+                out[f"{part}.{k}"] = v
+    if out.get("family") == "oscar" and out.get("rotations") == "calibrated":
+        # rotation targets recorded by describe() (0.2) or as the 0.1 fields; the composition is derived from them
+        targets = {k: v for k, v in out.items() if k.startswith("rotation_targets.")}
+        if "rotation_targets.composition" in targets:
+            composition = out.pop("rotation_targets.composition")
+            out["rotation_targets.use_hadamard"] = "H" in composition
+            out["rotation_targets.use_permutation"] = "P" in composition
     return out
 
 
@@ -452,7 +460,7 @@ def _slug(text: str) -> str:
 def _jsonable(obj):
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
-    if isinstance(obj, OscarConfig):
+    if hasattr(obj, "to_dict"):
         return obj.to_dict()
     if isinstance(obj, Path):
         return str(obj)
@@ -474,8 +482,6 @@ def run(args) -> int:
     stages = STAGES[:-1] if args.stage == "all" else (args.stage,)
     windows = Windows(args.sink, args.window, args.residual)
     if args.stage == "lm-eval":
-        from .lm_eval_model import run_tasks
-
         return run_tasks(args)
     session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
                       args.calibration_length, args.domain, progress=not getattr(args, "quiet", True),
@@ -500,10 +506,45 @@ def run(args) -> int:
             session.perplexity(select({**main_methods(windows), **format_methods(windows)}, args.methods or FORMAT_METHODS),
                                stage="format_ppl", sequences=args.sequences, length=args.length, context=args.context,
                                chunk=args.chunk)
-        elif stage == "centering":
-            session.centering(select({**main_methods(windows), **centering_methods(windows)},
-                                     args.methods or CENTERING_METHODS),
-                              sequences=args.sequences, length=args.length, context=args.context, chunk=args.chunk)
+    return 0
+
+
+def run_tasks(args) -> int:
+    """`oscar-hf eval lm-eval`: the offline tasks for each method on one model; writes `<output>/<model>/lm_eval.json`."""
+    import lm_eval
+
+    from .lm_eval_model import OscarLM, task_manager
+
+    windows = Windows(args.sink, args.window, args.residual)
+    session = Session(args.model, args.output, args.dtype, args.calibration_tokens, windows, args.threads,
+                      args.calibration_length)
+    methods = select(main_methods(windows), args.methods)
+    rotations = session.rotations(methods)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    manager = task_manager()
+    results = {}
+    for name, method in methods.items():
+        start = time.perf_counter()
+        lm = OscarLM(pretrained=session.model, tokenizer=session.tokenizer, method=name, rotations=rotations.get(name),
+                     sink=windows.sink, window=windows.window, residual=windows.residual, batch_size=1)
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_fewshot,
+                                      limit=args.limit, log_samples=False, bootstrap_iters=1000, random_seed=0,
+                                      numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        results[name] = {"results": out["results"], "n_samples": out.get("n-samples"),
+                         "seconds": round(time.perf_counter() - start, 1),
+                         # how much of the scoring went through quantized history (the rest measured BF16)
+                         "scored_tokens": lm.scored_tokens, "scored_tokens_on_history": lm.history_tokens,
+                         "generations": lm.generations, "generations_on_history": lm.history_generations}
+        summary = {t: {k: v for k, v in r.items() if isinstance(v, float)} for t, r in out["results"].items()}
+        print(f"[{session.info['name']}] lm-eval {name}: {summary} ({results[name]['seconds']} s)", flush=True)
+        print(f"[{session.info['name']}] {lm.history_report()}", flush=True)
+        meta = session.meta("lm-eval", methods, {
+            "data": {"tasks": tasks, "num_fewshot": args.num_fewshot, "limit": args.limit,
+                     "task_source": "BIG-bench social_iqa (bigbench 1.0.0 sdist, seed-0 shuffle, eval/build_tasks.py); "
+                                    "pg essays (evaluation split)"},
+            "calibration": session.calibration_meta(rotations),
+            "protocol": "OscarLM: context prefilled into the method's cache, continuation scored in chunks through it"})
+        session.write("lm_eval", meta, results)
     return 0
 
 
