@@ -334,8 +334,12 @@ def main(argv=None) -> None:
             "superscripts point to the commands under its table (without `--output`, `--threads`, `--quiet` and the "
             "default `--depths 0.1,0.3,0.5,0.7,0.9`); each JSON's `meta` has the exact command, data, versions and "
             "machine. Commands keep the method names of their day: `oscar-wide-channels` is today's `oscar`; an "
-            "`oscar` run before 2026-12-05 was an earlier default (not shown). H200 rows ran through `bash "
-            "eval/gpu_eval.sh`. Other variants and the history: [`docs/research-log.md`](../docs/research-log.md).",
+            "`oscar` run before 2026-12-05 was an earlier default (not shown). The `oscar` cells were calibrated "
+            "before 2026-12-06, when calibration began to weigh a 2-bit head's key blocks in the channels it "
+            "stores: its perplexities are within 0.3% of these on every model and domain (research log, \"Which "
+            "key basis\"). H200 rows ran "
+            "through `bash eval/gpu_eval.sh`. Other variants and the history: "
+            "[`docs/research-log.md`](../docs/research-log.md).",
             ""]
     text += ["| method | what it stores |", "|---|---|"] + [f"| `{m}` | {LEGEND[m]} |" for m in PEERS] + [""]
     text += ["Perplexity: 512 tokens of each 2048-token sequence go into the cache, the rest is scored in chunks of "

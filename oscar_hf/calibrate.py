@@ -512,24 +512,38 @@ def retrieval_scores(model, tokenizer, span: int = RETRIEVAL_SPAN, seeds=RETRIEV
 
 
 def allocate_wide_heads(scores: dict[int, torch.Tensor], config: OscarConfig, head_dim: int, budget: float,
-                        key_blocks: dict[int, tuple[int, ...]] | None = None) -> dict[int, tuple[int, ...]] | None:
+                        key_blocks: dict[int, tuple[int, ...]] | None = None,
+                        key_bits: float | None = None) -> dict[int, tuple[int, ...]] | None:
     """`{layer: (history bits per KV head, ...)}`: the heads with the highest retrieval score at `quant.WIDE_BITS`,
-    as many as raise the history (keys and values averaged over every head, with these key blocks) to at most
-    `budget` bits per element (`CalibrationConfig.wide_budget`): a wide head costs WIDE_BITS − bits more on both
-    streams. None when the budget
-    pays for none."""
+    as many as raise the history (keys and values averaged over every head) to at most `budget` bits per element
+    (`CalibrationConfig.wide_budget`): a wide head costs WIDE_BITS − bits more on both streams. The keys cost
+    `key_bits` per element on average when given (a block allocation still to come spends at most that), else those
+    of `key_blocks` (default: key_block everywhere). None when the budget pays for none."""
     units = [(layer, h) for layer in sorted(scores) for h in range(len(scores[layer]))]
     if not units:
         return None
-    key_bits = [config.bits + 2 * config.meta_bits / (key_blocks[layer][h] if key_blocks else config.key_block)
-                for layer, h in units]
-    history = (sum(key_bits) / len(units) + config.value_bits(head_dim)) / 2
+    if key_bits is None:
+        key_bits = sum(config.bits + 2 * config.meta_bits / (key_blocks[layer][h] if key_blocks else config.key_block)
+                       for layer, h in units) / len(units)
+    history = (key_bits + config.value_bits(head_dim)) / 2
     count = int((budget - history) * len(units) / (WIDE_BITS - config.bits) + 1e-9)
     if count <= 0:
         return None
     chosen = set(sorted(units, key=lambda u: (-float(scores[u[0]][u[1]]), u))[:count])
     return {layer: tuple(WIDE_BITS if (layer, h) in chosen else config.bits for h in range(len(scores[layer])))
             for layer in sorted(scores)}
+
+
+def _raw_channels_unless_wide(rotation: torch.Tensor, names: list[str] | None,
+                              wide: list[bool]) -> tuple[torch.Tensor, list[str]]:
+    """Key rotations `[H, d, d]` (float64) with every head but the `wide` ones back to the identity, and their names:
+    a 2-bit head with fitted key channels stores its raw channels (the permutation comes later)."""
+    h, d = rotation.shape[:2]
+    wide = list(wide) or [False] * h
+    names = names or ["calibrated"] * h
+    eye = torch.eye(d, dtype=torch.float64)
+    rotation = torch.stack([r if w else eye for r, w in zip(rotation.double().cpu(), wide)])
+    return rotation, [n if w else "identity" for n, w in zip(names, wide)]
 
 
 def best_ratio(errors: dict[float, float]) -> float:
@@ -753,6 +767,15 @@ def calibrate(
                 and len(choices) > 1
                 and (len(geometry.oscar_layers) * geometry.num_key_value_heads >= MIN_ALLOCATION_HEADS
                      or key_bits > config.bits + 2 * config.meta_bits / config.key_block + 1e-9))
+    # The wide heads first: with fitted key channels a 2-bit head stores its raw channels (sorted by width, below),
+    # so its key blocks and clips are weighed in that basis, and only the wide heads keep a chosen basis.
+    head_bits = retrieval = None
+    wide_budget = calibration.wide_budget(geometry.head_dim)
+    if calibration.wide_heads == "retrieval" and config.wide_layout:
+        retrieval = retrieval_scores(model, tokenizer)
+        head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, wide_budget,
+                                        key_bits=key_bits if allocate else None)
+    fitted_channels = calibration.key_channel_bits == "fitted" and config.wide_channel_layout and bool(heldout)
     if heldout and config.bits < 16:
         key_clips, value_clips = {}, {}
         layers = geometry.oscar_layers
@@ -765,11 +788,15 @@ def calibrate(
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
                 k = k - key_means[layer].to(dev, k.dtype)[:, None, :]
-            if calibration.choose_key_basis:
+            wide = [b == WIDE_BITS for b in head_bits[layer]] if head_bits else []
+            if calibration.choose_key_basis and (not fitted_channels or any(wide)):
                 candidates = key_basis_candidates(key_rotations[layer])
                 errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
                 key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, targets.per_head)
                 key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
+            if fitted_channels:
+                key_rotations[layer], key_bases[layer] = _raw_channels_unless_wide(
+                    key_rotations[layer], key_bases.get(layer), wide)
             if allocate:
                 block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config, choices)
             errs = clip_errors(
@@ -780,13 +807,8 @@ def calibrate(
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
         if allocate:
             key_blocks = allocate_key_blocks(block_errors, config, choices, key_bits)
-    head_bits = retrieval = None
-    wide_budget = calibration.wide_budget(geometry.head_dim)
-    if calibration.wide_heads == "retrieval" and config.wide_layout:
-        retrieval = retrieval_scores(model, tokenizer)
-        head_bits = allocate_wide_heads(retrieval, config, geometry.head_dim, wide_budget, key_blocks)
     key_wide_channels = channel_widths = None
-    if calibration.key_channel_bits == "fitted" and config.wide_channel_layout and heldout:
+    if fitted_channels:
         # (without held-out tokens there is nothing to weigh the channels on: 2 bits in each, like the key blocks)
         key_wide_channels, channel_widths = {}, {}
         for layer in geometry.oscar_layers:

@@ -254,8 +254,10 @@ class CalibrationConfig(_Serializable):
         center_keys: subtract a calibrated per-(layer, KV head) mean of the post-RoPE keys before the cache stores
             them (softmax ignores the per-query constant q·μ); the rotation file carries the means and the cache
             applies them.
-        choose_key_basis: per KV head, keep the key basis (calibrated U·H·P, data-free H·P, or none) whose quantized
-            keys give the least held-out attention-output error.
+        choose_key_basis: per KV head that keeps a key rotation, the key basis (calibrated U·H·P, data-free H·P, or
+            none) whose quantized keys give the least held-out attention-output error. With fitted key channels only
+            the wide heads keep one: a 2-bit head stores its raw channels, sorted by width, and its key blocks and
+            clips are weighed in that basis.
     """
 
     tokens: int = 8192
