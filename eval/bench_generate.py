@@ -1,6 +1,7 @@
 """Decode speed through `model.generate`, what users run: OSCAR (dynamic, static eager, static compiled) against
-BF16 `DynamicCache` (eager), BF16 `StaticCache` (auto-compiled by generate, = `cache_implementation="static"`) and
-transformers' `QuantizedCache` (HQQ, 2 bits), interleaved in one run.
+BF16 `DynamicCache` (eager), BF16 `StaticCache` (auto-compiled by generate, = `cache_implementation="static"`), the
+same with `attn_implementation="flex_attention"` (`bf16-flex`) and transformers' `QuantizedCache` (HQQ, 2 bits),
+interleaved in one run.
 
     python eval/bench_generate.py --out DIR [--sections check,speed] [--archs qwen3-8b] [--points 4096x1,32768x8]
 
@@ -33,9 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
-METHODS = ("bf16-eager", "bf16-static", "hf-quantized", "oscar-eager", "oscar-static-eager", "oscar-static",
-           "oscar-static-format5")
-COMPILED = {"bf16-static", "oscar-static", "oscar-static-format5"}
+METHODS = ("bf16-eager", "bf16-static", "bf16-flex", "hf-quantized", "oscar-eager", "oscar-static-eager",
+           "oscar-static", "oscar-static-format5")
+COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5"}
+BF16 = ("bf16-eager", "bf16-static", "bf16-flex")
 DEADLINE = float("inf")
 
 
@@ -141,7 +143,7 @@ def make_cache(method, model, batch, max_len):
 
     if method == "bf16-eager":
         return DynamicCache(config=model.config)
-    if method == "bf16-static":
+    if method in ("bf16-static", "bf16-flex"):
         return StaticCache(config=model.config, max_cache_len=max_len)
     if method == "hf-quantized":
         return QuantizedCache(backend="hqq", config=model.config, nbits=2, axis_key=1, axis_value=1, q_group_size=64,
@@ -166,11 +168,30 @@ def kv_bytes(method, model, batch, length) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def generate_once(model, cache, batch, length, new_tokens, compiled, device, profile=False):
+@contextlib.contextmanager
+def attention_for(model, method):
+    """The model's attention for `method`: flex attention for `bf16-flex`, else the "oscar" attention (plain sdpa
+    without an OSCAR cache)."""
+    if method != "bf16-flex":
+        yield
+        return
+    model.set_attn_implementation("flex_attention")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation("oscar")
+
+
+def generate_once(model, cache, batch, length, new_tokens, compiled, device, profile=False, method=None):
     ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache=cache,
                   attention_mask=torch.ones_like(ids), disable_compile=not compiled, pad_token_id=0)
     sync()
+    with attention_for(model, method):
+        return _generate_timed(model, ids, kwargs, length, new_tokens, profile)
+
+
+def _generate_timed(model, ids, kwargs, length, new_tokens, profile):
     if profile:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity
@@ -214,7 +235,7 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
                 for key, n in (("long", new_tokens + 1), ("short", 1)):
                     cache = make_cache(m, model, batch, length + new_tokens + 8) if m in fresh else caches[m]
                     fill(cache, model, batch, length, device)
-                    dt = generate_once(model, cache, batch, length, n, m in COMPILED, device)
+                    dt = generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m)
                     if r > 0:
                         times[m][key].append(dt)
                     if m in fresh:
@@ -247,12 +268,12 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
                 for n in (new_tokens + 1, 1):
                     cache = make_cache(m, model, batch, length + new_tokens + 8) if m in fresh else caches[m]
                     fill(cache, model, batch, length, device)
-                    gl.append(generate_once(model, cache, batch, length, n, m in COMPILED, device, profile=True))
+                    gl.append(generate_once(model, cache, batch, length, n, m in COMPILED, device, profile=True, method=m))
                 row[f"{m}_gpu_ms_per_step"] = 1000 * (gl[0] - gl[1]) / new_tokens
             except Exception as e:
                 row[f"{m}_gpu_ms_per_step"] = None
                 skipped[f"{m} (profile)"] = f"{type(e).__name__}: {str(e)[:200]}"
-    best_bf16 = max((row.get(f"{m}_tokens_per_s", 0) for m in ("bf16-eager", "bf16-static")), default=0)
+    best_bf16 = max((row.get(f"{m}_tokens_per_s", 0) for m in BF16), default=0)
     if best_bf16 and row.get("oscar-static_tokens_per_s"):
         row["oscar-static_vs_best_bf16"] = row["oscar-static_tokens_per_s"] / best_bf16
     log(f"generate {arch} L={length} B={batch}: " + ", ".join(
@@ -311,7 +332,7 @@ def _warmed_cache(method, model, batch, length, new_tokens, device):
     for _ in range(2):  # compile, then one more warm run
         cache = reusable(method, model, batch, length + new_tokens + 8, locals().get("cache"))
         fill(cache, model, batch, length, device)
-        generate_once(model, cache, batch, length, new_tokens + 1, method in COMPILED, device)
+        generate_once(model, cache, batch, length, new_tokens + 1, method in COMPILED, device, method=method)
     return cache
 
 
@@ -345,7 +366,7 @@ def section_profile(device, arch, point, methods, new_tokens, out):
         fill(cache, model, batch, length, device)
         profiler = cProfile.Profile()
         profiler.enable()
-        wall = generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device)
+        wall = generate_once(model, cache, batch, length, new_tokens + 1, m in COMPILED, device, method=m)
         profiler.disable()
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
@@ -428,7 +449,7 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
                 for n in (new_tokens + 1, 1):
                     cache = reusable(m, model, batch, length + new_tokens + 8, cache)
                     fill(cache, model, batch, length, device)
-                    t.append(generate_once(model, cache, batch, length, n, m in COMPILED, device))
+                    t.append(generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m))
                 walls[label] = 1000 * (t[0] - t[1]) / new_tokens
             gc.enable()
             log(f"runtime {m}: wall per step " + ", ".join(f"{k} {v:.2f} ms" for k, v in walls.items()))
