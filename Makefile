@@ -10,8 +10,8 @@ TORCH ?= torch==2.13.0
 
 $(VENV)/.installed: setup.py setup.cfg constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --no-compile "$(TORCH)"  # (no bytecode up front: Python compiles what it imports)
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -40,7 +40,7 @@ check-newest-transformers: install
 	print('\n'.join(i['metadata']['name'] + '==' + i['metadata']['version'] for i in items))" \
 	    $(NEWEST)/report.json > $(NEWEST)/requirements.txt
 	! grep -qi '^torch==' $(NEWEST)/requirements.txt  # the CPU torch of the venv stays
-	$(BIN)/pip install -q --no-deps --target $(NEWEST)/site -r $(NEWEST)/requirements.txt
+	$(BIN)/pip install -q --no-compile --no-deps --target $(NEWEST)/site -r $(NEWEST)/requirements.txt
 	cat $(NEWEST)/requirements.txt
 	PYTHONPATH=$(NEWEST)/site OSCAR_HF_EXPECT_TRANSFORMERS=$$(grep -i '^transformers==' $(NEWEST)/requirements.txt | cut -d= -f3) \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_repo_root.py
