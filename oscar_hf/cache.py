@@ -210,8 +210,13 @@ class OscarLayer(CacheLayerMixin):
         row, key_block = plan.write_rows[0:1], plan.write_rows[1:2]  # -1: nothing to write (PositionPlan.advance)
         st.values.write_at(rv, row)
         if self.fmt.keys.channelwise:
-            # the key block this token completes, quantized from the ring in place (history row j at slot j mod R)
-            st.keys.write_at(st.ring_keys, key_block, ring=plan.ring)
+            # the key block this token completes, quantized from the ring in place (history row j at slot j mod R);
+            # the branch-free twin quantizes a whole block even when none is due, so where the host knows the
+            # position (eager, on the twins) it is called only when one is
+            start = plan.host_start
+            if (self.kernel or start is None or torch.compiler.is_compiling()
+                    or plan.history_rows(start + 1) > plan.history_rows(start)):
+                st.keys.write_at(st.ring_keys, key_block, ring=plan.ring)
         else:
             st.keys.write_at(rk, row)
 
