@@ -540,20 +540,21 @@ def section_tune(device, quick):
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH, segment_attention_triton
 
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
-    # Tiles of the default layout hold one 64-token channel-wise key block (BLOCK_N <= 64); v5's sweep found one
-    # stage best. v6: how bytes stay in flight (`prefetch`: the next tile in registers; `l2_ahead`: tiles asked for
-    # in L2 ahead of the loads) and who unpacks (`ptx_unpack`), at v5's best warps/programs and one step off each.
-    grid = [dict(num_warps=nw, programs_per_sm=tp, prefetch=pf, l2_ahead=l2, ptx_unpack=ptx)
-            for nw, tp in ((2, 12), (2, 6), (4, 12)) for pf, l2 in ((False, 0), (True, 0), (False, 2), (False, 4), (False, 8))
-            for ptx in (False, True)]
+    # The default storage format (format 6, "channels"). v6's sweep settled the unpacking (inline PTX) and how bytes
+    # stay in flight (tiles asked for in L2 two steps ahead); this one sweeps warps and programs per SM around them.
+    # `maxnreg` 128 gives 4 programs of 4 warps per SM where the compiler's 168 registers give 3 (ptxas: 60 bytes of
+    # spill stores, none in the loop).
+    grid = [dict(num_warps=nw, programs_per_sm=tp, prefetch=False, l2_ahead=2, ptx_unpack=True, maxnreg=reg)
+            for nw in (2, 4) for tp in (4, 8, 12, 16, 24) for reg in (None, 128)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     results = []
     for (b, length) in points:
-        args = decode_args(b, length, device)
+        args = decode_args(b, length, device, layout="channels")
         for cfg in grid:
-            DEFAULT_LAUNCH["ptx_unpack"], saved = cfg["ptx_unpack"], DEFAULT_LAUNCH["ptx_unpack"]
+            saved = {k: DEFAULT_LAUNCH[k] for k in ("ptx_unpack", "maxnreg")}
+            DEFAULT_LAUNCH.update(ptx_unpack=cfg["ptx_unpack"], maxnreg=cfg["maxnreg"])
             try:
                 fn = lambda: segment_attention_triton(  # noqa: E731
                     *args, block_n=64, num_warps=cfg["num_warps"], num_stages=1,
@@ -564,7 +565,7 @@ def section_tune(device, quick):
                 us = float("inf")
                 log(f"tune {cfg}: {type(e).__name__}: {str(e)[:200]}")
             finally:
-                DEFAULT_LAUNCH["ptx_unpack"] = saved
+                DEFAULT_LAUNCH.update(saved)
             results.append(dict(batch=b, length=length, block_n=64, num_stages=1, **cfg, us=us))
         del args
         free()
@@ -599,35 +600,34 @@ def section_micro(device, quick, tuned, copy_bw):
 
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH, segment_attention_triton
 
-    lengths = [4096, 32768, 65536, 100_000, 131072] if not quick else [2048]
+    lengths = [4096, 32768, 100_000, 131072] if not quick else [2048]
     batches = [1, 8, 32] if not quick else [1, 2]
     kw = _kernel_kwargs(tuned, device)
-    if tuned and "ptx_unpack" in tuned:
-        DEFAULT_LAUNCH["ptx_unpack"] = tuned["ptx_unpack"]
+    for name in ("ptx_unpack", "maxnreg"):
+        if tuned and name in tuned:
+            DEFAULT_LAUNCH[name] = tuned[name]
     h, g, d = 8, 4, 128
     rk = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16)
     rows = []
-    # the default key layout at every length, per-head (mixed) blocks at two: their smallest block sets the tile
-    mixed_lengths = [32768, 131072] if not quick else lengths
+    # the default storage format (format 6: "channels") at every length; at two, the same without wide key channels
+    # (format 5: "wide") and with every head at 2 bits over uniform blocks ("default"): what each layer of the
+    # format costs
+    compared = [32768, 100_000] if not quick else lengths
     for b in batches:
-        for length, layout in ([(n, "default") for n in lengths] + [(n, "mixed") for n in mixed_lengths]
-                               + [(n, "wide") for n in mixed_lengths]):
+        for length, layout in ([(n, "channels") for n in lengths] + [(n, "wide") for n in compared]
+                               + [(n, "default") for n in compared]):
+            if time.time() > DEADLINE:
+                log(f"micro: deadline reached before B={b} L={length} {layout}")
+                return rows
             row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
                 "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
-                "ptx_unpack")})
+                "ptx_unpack", "maxnreg")})
             args = decode_args(b, length, device, layout=layout)
             row["key_blocks"], row["key_chunk"] = args[19], args[20]
             q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
 
             def kernel_only():
                 return segment_attention_triton(*args, **kw)
-
-            def kernel_unpacking(ptx):  # the same launch with the other unpacking (inline PTX or the compiler's)
-                saved, DEFAULT_LAUNCH["ptx_unpack"] = DEFAULT_LAUNCH["ptx_unpack"], ptx
-                try:
-                    return bench_graph(kernel_only)
-                finally:
-                    DEFAULT_LAUNCH["ptx_unpack"] = saved
 
             def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
                 q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
@@ -636,12 +636,6 @@ def section_micro(device, quick, tuned, copy_bw):
 
             nbytes = bytes_read(args)
             row["oscar_kernel_us"] = bench_graph(kernel_only)
-            if device.type == "cuda":
-                row["oscar_kernel_ptx_unpack_us"] = kernel_unpacking(True)
-                row["oscar_kernel_plain_unpack_us"] = kernel_unpacking(False)
-                # the same launch with v5's loop (each tile's loads awaited in turn, 16-bit meta loads)
-                row["oscar_kernel_v5_loop_us"] = bench_graph(
-                    lambda: segment_attention_triton(*args, **{**kw, "prefetch": False, "l2_ahead": 0}))
             row["oscar_layer_us"] = bench_graph(full_layer)
             row["oscar_layer_eager_us"] = bench(full_layer)
             row["oscar_bytes"] = nbytes
@@ -650,7 +644,7 @@ def section_micro(device, quick, tuned, copy_bw):
             del args
             free()
             bf16_bytes = 2 * b * h * length * d * 2
-            if layout == "default" and (bf16_bytes < 60 * GIB or device.type != "cuda"):
+            if layout == "channels" and (bf16_bytes < 60 * GIB or device.type != "cuda"):
                 k = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
                 v = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
                 mod = _Module(g)
@@ -662,9 +656,6 @@ def section_micro(device, quick, tuned, copy_bw):
                 del k, v
                 free()
             log(f"micro B={b:2d} L={length:6d} keys {layout}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
-                f"(PTX unpack {row.get('oscar_kernel_ptx_unpack_us', float('nan')):8.1f} us, compiler unpack "
-                f"{row.get('oscar_kernel_plain_unpack_us', float('nan')):8.1f} us, v5 loop "
-                f"{row.get('oscar_kernel_v5_loop_us', float('nan')):8.1f} us) "
                 f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
                 f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
                 f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")
@@ -1039,8 +1030,9 @@ def main(argv=None):
                 results["tune"] = section_tune(device, args.quick)
                 tuned = results["tune"]["best"]
                 (out_dir / "tuned.json").write_text(json.dumps(tuned))
-            elif name == "micro":
-                results["micro"] = section_micro(device, args.quick, tuned, results["copy_bandwidth"])
+            elif name == "micro":  # at the kernel's DEFAULT_LAUNCH, or at launch parameters tuned here or given
+                results["micro_tuned" if tuned else "micro"] = section_micro(device, args.quick, tuned,
+                                                                             results["copy_bandwidth"])
             elif name == "quant":
                 results["quant"] = section_quant(device, args.quick)
             elif name == "memory":

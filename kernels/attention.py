@@ -826,7 +826,7 @@ _BULK_PREFETCH: dict = {}
 # (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
 # keep v4's plain loop with 4 warps.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64)
+                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -996,6 +996,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
         META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
         WIDE_CHANNELS=channel_table is not None, num_warps=num_warps, num_stages=num_stages,
+        # a register cap (ptxas `.maxnreg`) trades spills for more programs per SM; None: the compiler's choice
+        **({} if DEFAULT_LAUNCH["maxnreg"] is None or INTERPRET else {"maxnreg": DEFAULT_LAUNCH["maxnreg"]}),
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
