@@ -595,7 +595,7 @@ class _Module(torch.nn.Module):
         self.is_causal = True
 
 
-def section_micro(device, quick, tuned, copy_bw):
+def section_micro(device, quick, tuned, copy_bw, points=None):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH, segment_attention_triton
@@ -613,53 +613,57 @@ def section_micro(device, quick, tuned, copy_bw):
     # (format 5: "wide") and with every head at 2 bits over uniform blocks ("default"): what each layer of the
     # format costs
     compared = [32768, 100_000] if not quick else lengths
-    for b in batches:
-        for length, layout in ([(n, "channels") for n in lengths] + [(n, "wide") for n in compared]
-                               + [(n, "default") for n in compared]):
-            if time.time() > DEADLINE:
-                log(f"micro: deadline reached before B={b} L={length} {layout}")
-                return rows
-            row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
-                "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
-                "ptx_unpack", "maxnreg")})
-            args = decode_args(b, length, device, layout=layout)
-            row["key_blocks"], row["key_chunk"] = args[19], args[20]
-            q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
+    plan = [(b, n, layout) for b in batches for n, layout in ([(n, "channels") for n in lengths]
+                                                               + [(n, "wide") for n in compared]
+                                                               + [(n, "default") for n in compared])]
+    if points:  # --micro-points: LENGTHxBATCH:layout,...
+        plan = [(int(p.split(":")[0].split("x")[1]), int(p.split(":")[0].split("x")[0]), p.split(":")[1])
+                for p in points.split(",")]
+    for b, length, layout in plan:
+        if time.time() > DEADLINE:
+            log(f"micro: deadline reached before B={b} L={length} {layout}")
+            return rows
+        row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
+            "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
+            "ptx_unpack", "maxnreg")})
+        args = decode_args(b, length, device, layout=layout)
+        row["key_blocks"], row["key_chunk"] = args[19], args[20]
+        q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)
 
-            def kernel_only():
-                return segment_attention_triton(*args, **kw)
+        def kernel_only():
+            return segment_attention_triton(*args, **kw)
 
-            def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
-                q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
-                out, _ = segment_attention_triton(*((q,) + args[1:]), **kw)
-                return torch.matmul(out.view(b, h, g, 1, d), rk.transpose(-1, -2).unsqueeze(1))
+        def full_layer():  # q·R_K, the kernel, o·R_Vᵀ: what the attention does per layer
+            q = torch.matmul(q_plain.view(b, h, g, 1, d), rk.unsqueeze(1)).view(b, h, g, d)
+            out, _ = segment_attention_triton(*((q,) + args[1:]), **kw)
+            return torch.matmul(out.view(b, h, g, 1, d), rk.transpose(-1, -2).unsqueeze(1))
 
-            nbytes = bytes_read(args)
-            row["oscar_kernel_us"] = bench_graph(kernel_only)
-            row["oscar_layer_us"] = bench_graph(full_layer)
-            row["oscar_layer_eager_us"] = bench(full_layer)
-            row["oscar_bytes"] = nbytes
-            row["oscar_gbps"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / 1e9
-            row["oscar_fraction_of_copy_bw"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / copy_bw
-            del args
+        nbytes = bytes_read(args)
+        row["oscar_kernel_us"] = bench_graph(kernel_only)
+        row["oscar_layer_us"] = bench_graph(full_layer)
+        row["oscar_layer_eager_us"] = bench(full_layer)
+        row["oscar_bytes"] = nbytes
+        row["oscar_gbps"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / 1e9
+        row["oscar_fraction_of_copy_bw"] = nbytes / (row["oscar_kernel_us"] * 1e-6) / copy_bw
+        del args
+        free()
+        bf16_bytes = 2 * b * h * length * d * 2
+        if layout == "channels" and (bf16_bytes < 60 * GIB or device.type != "cuda"):
+            k = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
+            v = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
+            mod = _Module(g)
+            row["bf16_sdpa_us"] = bench_graph(lambda: sdpa_attention_forward(mod, q_plain, k, v, None, scaling=d ** -0.5))
+            row["bf16_sdpa_eager_us"] = bench(lambda: sdpa_attention_forward(mod, q_plain, k, v, None, scaling=d ** -0.5))
+            row["bf16_bytes"] = bf16_bytes
+            row["bf16_gbps"] = bf16_bytes / (row["bf16_sdpa_us"] * 1e-6) / 1e9
+            row["speedup_vs_bf16"] = row["bf16_sdpa_us"] / row["oscar_layer_us"]
+            del k, v
             free()
-            bf16_bytes = 2 * b * h * length * d * 2
-            if layout == "channels" and (bf16_bytes < 60 * GIB or device.type != "cuda"):
-                k = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
-                v = torch.randn(b, h, length, d, device=device, dtype=torch.bfloat16)
-                mod = _Module(g)
-                row["bf16_sdpa_us"] = bench_graph(lambda: sdpa_attention_forward(mod, q_plain, k, v, None, scaling=d ** -0.5))
-                row["bf16_sdpa_eager_us"] = bench(lambda: sdpa_attention_forward(mod, q_plain, k, v, None, scaling=d ** -0.5))
-                row["bf16_bytes"] = bf16_bytes
-                row["bf16_gbps"] = bf16_bytes / (row["bf16_sdpa_us"] * 1e-6) / 1e9
-                row["speedup_vs_bf16"] = row["bf16_sdpa_us"] / row["oscar_layer_us"]
-                del k, v
-                free()
-            log(f"micro B={b:2d} L={length:6d} keys {layout}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
-                f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
-                f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
-                f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")
-            rows.append(row)
+        log(f"micro B={b:2d} L={length:6d} keys {layout}: OSCAR kernel {row['oscar_kernel_us']:8.1f} us "
+            f"({row['oscar_gbps']:6.0f} GB/s, {100 * row['oscar_fraction_of_copy_bw']:5.1f}% of copy), layer "
+            f"{row['oscar_layer_us']:8.1f} us | BF16 sdpa {row.get('bf16_sdpa_us', float('nan')):9.1f} us "
+            f"({row.get('bf16_gbps', float('nan')):6.0f} GB/s) | x{row.get('speedup_vs_bf16', float('nan')):.2f}")
+        rows.append(row)
     return rows
 
 
@@ -996,6 +1000,8 @@ def main(argv=None):
     parser.add_argument("--tuned", default=None, help="JSON of kernel launch parameters to use instead of tuning")
     parser.add_argument("--archs", default="qwen3-8b,qwen3-4b", help="model architectures of the e2e section")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no new measurement starts")
+    parser.add_argument("--micro-points", default=None,
+                        help="the micro section's points, LENGTHxBATCH:layout,... (default: every length and batch)")
     args = parser.parse_args(argv)
     global DEADLINE
     if args.deadline:
@@ -1032,7 +1038,8 @@ def main(argv=None):
                 (out_dir / "tuned.json").write_text(json.dumps(tuned))
             elif name == "micro":  # at the kernel's DEFAULT_LAUNCH, or at launch parameters tuned here or given
                 results["micro_tuned" if tuned else "micro"] = section_micro(device, args.quick, tuned,
-                                                                             results["copy_bandwidth"])
+                                                                             results["copy_bandwidth"],
+                                                                             args.micro_points)
             elif name == "quant":
                 results["quant"] = section_quant(device, args.quick)
             elif name == "memory":
