@@ -829,7 +829,7 @@ _BULK_PREFETCH: dict = {}
 # (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
 # keep v4's plain loop with 4 warps.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
+                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None, head_classes=True)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -1007,8 +1007,11 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
-    for head_table, class_heads, class_split, class_wide in _head_classes(key_blocks if key_split else (), wide_rows,
-                                                                          block_n, h, q.device):
+    if DEFAULT_LAUNCH["head_classes"]:
+        launches = _head_classes(key_blocks if key_split else (), wide_rows, block_n, h, q.device)
+    else:  # every head in one launch (what `_head_classes` replaced; kept for comparison)
+        launches = [(None, h, key_split, wide_table is not None)]
+    for head_table, class_heads, class_split, class_wide in launches:
         _segment_attention_kernel[(b * class_heads, m_tiles, n_splits)](
             q, *q.stride(),
             partial, *partial.stride(),
