@@ -33,7 +33,7 @@ POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
             "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
             "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32", "wide_ptr": "*i32", "wide_table": "*i32",
-            "start_ptr": "*i64", "channels_ptr": "*i32", "channel_table": "*i32", "head_table": "*i32"}
+            "start_ptr": "*i64", "channels_ptr": "*i32", "channel_table": "*i32"}
 
 
 def signature(fn, constexprs, qtype):
@@ -105,40 +105,39 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
                                            blocks, chunk, wide)
     finally:
         attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
-    # one launch per class of KV heads (`attention._head_classes`), then the merge
-    for fn, grid, args, kw in [launch for launch in launches if launch[0] is kernel]:
-        params = list(inspect.signature(fn.fn).parameters)
-        sig, constexprs, attrs = {}, {}, {}
-        for i, name in enumerate(params):
-            if i >= len(args):
-                sig[name], constexprs[name] = "constexpr", kw[name]
-                continue
-            kind, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
-            if kind == "constexpr":
-                sig[name], constexprs[name] = "constexpr", spec
-            else:
-                sig[name] = kind
-                if spec == "D":
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        options = {k: kw[k] for k in ("num_warps", "num_stages")}
-        k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = os.path.join(tmp, "k.cubin")
-            print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} BLOCK_N={kw['BLOCK_N']} "
-                  f"KEY_SPLIT={kw.get('KEY_SPLIT')} WIDE={kw.get('WIDE')} {options}: "
-                  f"{ptxas_report(k, cubin)}")
-            cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-        lines = [(int(a, 16), ins) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
-        for address, ins in lines:
-            target = re.search(r"BRA .*?0x([0-9a-f]+)", ins)
-            if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
-                body = [(a, i) for a, i in lines if int(target.group(1), 16) <= a <= address]
-                for paths, path in _loop_paths(body):
-                    mix = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", i).group(1) for i in path)
-                    kind = "INT2 history" if mix.get("HADD2") else "BF16 segment"
-                    print(f"  loop ({kind}{paths}): {len(path)} instructions per tile per thread: "
-                          + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
+    fn, grid, args, kw = launches[0]
+    params = list(inspect.signature(fn.fn).parameters)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(params):
+        if i >= len(args):
+            sig[name], constexprs[name] = "constexpr", kw[name]
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, args[i], False, True, True)
+        if kind == "constexpr":
+            sig[name], constexprs[name] = "constexpr", spec
+        else:
+            sig[name] = kind
+            if spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: kw[k] for k in ("num_warps", "num_stages")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        print(f"decode kernel B={batch} H_kv={kv_heads} GQA={gqa} L={length:,} d={head_dim} grid={grid} BLOCK_N={kw['BLOCK_N']} "
+              f"KEY_SPLIT={kw.get('KEY_SPLIT')} WIDE={kw.get('WIDE')} {options}: "
+              f"{ptxas_report(k, cubin)}")
+        cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    for address, ins in lines:
+        target = re.search(r"BRA .*?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
+            body = [(a, i) for a, i in lines if int(target.group(1), 16) <= a <= address]
+            for paths, path in _loop_paths(body):
+                mix = collections.Counter(re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", i).group(1) for i in path)
+                kind = "INT2 history" if mix.get("HADD2") else "BF16 segment"
+                print(f"  loop ({kind}{paths}): {len(path)} instructions per tile per thread: "
+                      + ", ".join(f"{op} {n}" for op, n in mix.most_common(14)))
 
 
 def _loop_paths(body):
@@ -206,8 +205,7 @@ def main():
         prefetch = words and not l2
         const = dict(D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=mask,
                      UPCAST=False, DEVICE_LENGTHS=key_chunk > 0, PTX_UNPACK=True, META_WORDS=words, PREFETCH=prefetch,
-                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split, WIDE=wide, WIDE_CHANNELS=channels,
-                     HEAD_TABLE=split or wide)
+                     L2_AHEAD=l2 if words else 0, KEY_SPLIT=split, WIDE=wide, WIDE_CHANNELS=channels)
         sig = signature(attention._segment_attention_kernel, const, qtype)
         if words:
             sig.update(meta_k="*i32", meta_v="*i32")

@@ -616,7 +616,7 @@ def _segment_attention_kernel(
     sink_k, sink_v, ss_b, ss_h, ss_t, ss_d,
     codes_k, sc_b, sc_h, sc_t, sc_d,
     codes_v, scv_b, scv_h, scv_t, scv_d,
-    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table, wide_table, channel_table, head_table,
+    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, key_table, wide_table, channel_table,
     meta_v, sm_b, sm_h, sm_t, sm_g, sm_2,
     rec_k, rec_v, sr_b, sr_h, sr_t, sr_d,
     ext_k, ext_v, se_b, se_h, se_t, se_d,
@@ -628,16 +628,13 @@ def _segment_attention_kernel(
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
     META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr, KEY_SPLIT: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr, HEAD_TABLE: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
     b = pid_bh // heads
-    if HEAD_TABLE:  # this launch takes one class of a layer's KV heads (`_head_classes`): `heads` of them
-        h = tl.load(head_table + pid_bh % heads)
-    else:
-        h = pid_bh % heads
+    h = pid_bh % heads
     QD: tl.constexpr = D // 4
     if DEVICE_LENGTHS:
         # A static cache's decode step: lengths on the device (a CUDA graph replays this launch unchanged); the
@@ -829,7 +826,7 @@ _BULK_PREFETCH: dict = {}
 # (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
 # keep v4's plain loop with 4 warps.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None, head_classes=True)
+                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -905,35 +902,6 @@ def decode_attention_triton(
     return out
 
 
-_HEAD_CLASS_TABLES: dict = {}
-
-
-def _head_classes(split_blocks, wide_rows, block_n: int, heads: int, device: torch.device) -> list[tuple]:
-    """How one layer's decode attention is launched: [(head table or None, heads, KEY_SPLIT, WIDE)], one launch per
-    class of KV heads. Heads whose key block is half the tile (`split_blocks`: the layer's blocks when its tiles
-    split, else empty) and wide heads take extra code (a second set of scaled-query dots, the low planes' loads and
-    dots), and a launch holds the registers of its costliest path for every program: 236 per thread with both, 147
-    without (ptxas, `eval/compile_kernels.py --sass`), two programs of 4 warps per SM instead of three. So each class
-    gets its own launch, compiled with only the code it runs, its heads read from a small int32 table (cached like
-    `key_block_table`); a layer of one class keeps the single launch without a table."""
-    split = tuple(bool(split_blocks) and int(split_blocks[i]) < block_n for i in range(heads))
-    wide = tuple(bool(wide_rows) and int(wide_rows[i]) >= 0 for i in range(heads))
-    classes: dict[tuple[bool, bool], list[int]] = {}
-    for i in range(heads):
-        classes.setdefault((split[i], wide[i]), []).append(i)
-    if len(classes) == 1:
-        (class_split, class_wide), = classes
-        return [(None, heads, class_split, class_wide)]
-    launches = []
-    for (class_split, class_wide), members in sorted(classes.items(), key=lambda kv: kv[0], reverse=True):
-        key = (tuple(members), device)
-        table = _HEAD_CLASS_TABLES.get(key)
-        if table is None:
-            table = _HEAD_CLASS_TABLES[key] = torch.tensor(members, dtype=torch.int32, device=device)
-        launches.append((table, len(members), class_split, class_wide))
-    return launches
-
-
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
             num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None, wide_rows=(),
@@ -1007,37 +975,30 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
-    if DEFAULT_LAUNCH["head_classes"]:
-        launches = _head_classes(key_blocks if key_split else (), wide_rows, block_n, h, q.device)
-    else:  # every head in one launch (what `_head_classes` replaced; kept for comparison)
-        launches = [(None, h, key_split, wide_table is not None)]
-    for head_table, class_heads, class_split, class_wide in launches:
-        _segment_attention_kernel[(b * class_heads, m_tiles, n_splits)](
-            q, *q.stride(),
-            partial, *partial.stride(),
-            partial_lse, *partial_lse.stride(),
-            sink_k, sink_v, *sink_k.stride(),
-            hist_codes_k, *hist_codes_k.stride(),
-            hist_codes_v, *hist_codes_v.stride(),
-            hist_meta_k, *hist_meta_k.stride(), key_table, hist_codes_k if wide_table is None else wide_table,
-            hist_codes_k if channel_table is None else channel_table, q if head_table is None else head_table,
-            hist_meta_v, *hist_meta_v.stride(),
-            recent_k, recent_v, *recent_k.stride(),
-            extra_k, extra_v, *extra_k.stride(),
-            mask, *mask.stride(),
-            class_heads, m, queries_per_group, query_start,
-            n_sink, n_hist, n_recent, n_extra,
-            hist_splits, hist_chunk, recent_splits, recent_chunk, extra_chunk,
-            scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
-            D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask,
-            UPCAST=INTERPRET, DEVICE_LENGTHS=device_lengths is not None,
-            PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET, META_WORDS=meta_words, PREFETCH=prefetch,
-            L2_AHEAD=l2_ahead, KEY_SPLIT=class_split, WIDE=wide_table is not None and class_wide,
-            WIDE_CHANNELS=channel_table is not None, HEAD_TABLE=head_table is not None, num_warps=num_warps,
-            num_stages=num_stages,
-            # a register cap (ptxas `.maxnreg`) trades spills for more programs per SM; None: the compiler's choice
-            **({} if DEFAULT_LAUNCH["maxnreg"] is None or INTERPRET else {"maxnreg": DEFAULT_LAUNCH["maxnreg"]}),
-        )
+    _segment_attention_kernel[(b * h, m_tiles, n_splits)](
+        q, *q.stride(),
+        partial, *partial.stride(),
+        partial_lse, *partial_lse.stride(),
+        sink_k, sink_v, *sink_k.stride(),
+        hist_codes_k, *hist_codes_k.stride(),
+        hist_codes_v, *hist_codes_v.stride(),
+        hist_meta_k, *hist_meta_k.stride(), key_table, hist_codes_k if wide_table is None else wide_table,
+        hist_codes_k if channel_table is None else channel_table,
+        hist_meta_v, *hist_meta_v.stride(),
+        recent_k, recent_v, *recent_k.stride(),
+        extra_k, extra_v, *extra_k.stride(),
+        mask, *mask.stride(),
+        h, m, queries_per_group, query_start,
+        n_sink, n_hist, n_recent, n_extra,
+        hist_splits, hist_chunk, recent_splits, recent_chunk, extra_chunk,
+        scale * LOG2E, device_lengths if device_lengths is not None else q, ring_size,
+        D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
+        DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
+        META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
+        WIDE_CHANNELS=channel_table is not None, num_warps=num_warps, num_stages=num_stages,
+        # a register cap (ptxas `.maxnreg`) trades spills for more programs per SM; None: the compiler's choice
+        **({} if DEFAULT_LAUNCH["maxnreg"] is None or INTERPRET else {"maxnreg": DEFAULT_LAUNCH["maxnreg"]}),
+    )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
     rows = b * h * m
