@@ -202,21 +202,18 @@ class OscarLayer(CacheLayerMixin):
             self._graph_key = None
 
     def _store_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One token, on the device only: fixed shapes, no branch, no synchronisation."""
+        """One token, rotated into its sink or ring slot on the device (fixed shapes, no branch, no synchronisation:
+        what a compiled step or a captured graph replays), then into the history rows it brings."""
         plan, st = self.plan, self.storage
         rk, rv = ops.rotate_store_token(self.centered(keys), values, self.key_rotation, self.value_rotation,
                                         st.sink_keys, st.sink_values, st.ring_keys, st.ring_values, plan.start,
                                         plan.sink, plan.ring, kernel=self.kernel).unbind(0)
-        row, key_block = plan.write_rows[0:1], plan.write_rows[1:2]  # -1: nothing to write (PositionPlan.advance)
+        # the token's history row and the first row of the key block it completes (-1: none), as ints where the host
+        # knows them (eager, on the twins: only the writes that are due run), else on the device (branch-free writes)
+        row, key_block = plan.token_rows(host=not (self.kernel or torch.compiler.is_compiling()))
         st.values.write_at(rv, row)
         if self.fmt.keys.channelwise:
-            # the key block this token completes, quantized from the ring in place (history row j at slot j mod R);
-            # the branch-free twin quantizes a whole block even when none is due, so where the host knows the
-            # position (eager, on the twins) it is called only when one is
-            start = plan.host_start
-            if (self.kernel or start is None or torch.compiler.is_compiling()
-                    or plan.history_rows(start + 1) > plan.history_rows(start)):
-                st.keys.write_at(st.ring_keys, key_block, ring=plan.ring)
+            st.keys.write_at(st.ring_keys, key_block, ring=plan.ring)  # quantized from the ring in place
         else:
             st.keys.write_at(rk, row)
 

@@ -9,6 +9,7 @@ needs `TRITON_INTERPRET=1`, which is how the CI tests them).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import warnings
 from dataclasses import dataclass
@@ -195,30 +196,55 @@ def segment_attention_reference(
     Returns:
         `(out [B, H, M, d] in q.dtype, lse [B, H, M] float32)`; rows with no visible key give 0 and -inf.
     """
+    # one float32 copy of the keys and of the values: the many query rows of a chunk read them as one matrix
     keys = torch.cat([seg.sink_keys.float(), dequantize(seg.history_keys), seg.recent_keys.float(),
                       seg.extra_keys.float()], 2)
     values = torch.cat([seg.sink_values.float(), dequantize(seg.history_values), seg.recent_values.float(),
                         seg.extra_values.float()], 2)
-    n, m = keys.shape[2], q.shape[2]
-    kpos = torch.arange(n, device=q.device)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    out, lse = _attention(q, [keys], [values], key_mask, queries_per_group, query_start, scale, row_block,
+                          emulate_bf16)
+    return out.to(q.dtype), lse
+
+
+def _attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], key_mask: torch.Tensor | None,
+               queries_per_group: int, query_start: int, scale: float, row_block: int = 1024,
+               emulate_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`segment_attention_reference` over keys and values given in parts `[B, H, n_i, d]`, at consecutive positions
+    from 0: float32 `(out, lse)`. Each part is read where it is (in float32), and only the scores are concatenated:
+    for a few query rows (a decode step), a smaller copy than the keys'."""
+    parts = [(k.float(), v.float()) for k, v in zip(keys, values) if k.shape[2]]
+    if not parts:
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    ends = list(itertools.accumulate((k.shape[2] for k, _ in parts), initial=0))
+    n, m = ends[-1], q.shape[2]
+    # the first query row's position is the lowest: where it sees every key and no key is masked (a decode step),
+    # every row sees every key, and no mask is needed
+    masked = key_mask is not None or query_start < n - 1
+    outs, lses = [], []
     for r0 in range(0, m, row_block):
         r1 = min(r0 + row_block, m)
-        qpos = query_start + torch.arange(r0, r1, device=q.device) % queries_per_group
-        visible = (kpos[None, :] <= qpos[:, None])[None, None]  # [1, 1, rows, n]
-        if key_mask is not None:
-            visible = visible & key_mask[:, None, None, :n].bool()
-        scores = torch.matmul(q[:, :, r0:r1].float(), keys.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        block_lse = torch.logsumexp(scores, dim=-1)
-        safe = torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse))
+        rows = q[:, :, r0:r1].float()
+        scores = [torch.matmul(rows, k.transpose(-1, -2)) for k, _ in parts]
+        scores = (scores[0] if len(scores) == 1 else torch.cat(scores, -1)) * scale
+        if masked:
+            qpos = query_start + torch.arange(r0, r1, device=q.device) % queries_per_group
+            visible = (torch.arange(n, device=q.device)[None, :] <= qpos[:, None])[None, None]  # [1, 1, rows, n]
+            if key_mask is not None:
+                visible = visible & key_mask[:, None, None, :n].bool()
+            scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isfinite(lse), lse, 0.0) if masked else lse  # a row that sees no key gives 0
         probs = torch.exp(scores - safe.unsqueeze(-1))
         if emulate_bf16:
             probs = probs.to(torch.bfloat16).float()
-        out[:, :, r0:r1] = torch.matmul(probs, values)
-        lse[:, :, r0:r1] = block_lse
-    return out.to(q.dtype), lse
+        out = torch.matmul(probs[..., : ends[1]], parts[0][1])
+        for (_, v), a, b in zip(parts[1:], ends[1:], ends[2:]):
+            out.add_(torch.matmul(probs[..., a:b], v))
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def segment_attention(q, seg: Segments, fmt: LayerFormat, key_mask, queries_per_group: int, query_start: int,
@@ -271,8 +297,6 @@ def decode_attention_reference(
     """
     b = buffers
     capacity = b.key_codes.shape[2]
-    if not torch.compiler.is_compiling() and not q.is_cuda:  # the CPU reads its lengths for free: skip empty rows
-        capacity = min(capacity, -(-int(lengths[1]) // fmt.keys.chunk) * fmt.keys.chunk)
     hist = [dequantize(Packed(codes[:, :, :capacity], None if meta is None else
                               meta[:, : capacity // stream.chunk] if stream.channelwise else meta[:, :, :capacity],
                               stream))
@@ -306,12 +330,36 @@ def decode_attention_reference(
     return out.to(q.dtype)
 
 
+def decode_attention_host(
+    q: torch.Tensor, buffers: DecodeBuffers, fmt: LayerFormat, key_mask: torch.Tensor | None, lengths: torch.Tensor,
+    queries_per_group: int, scale: float, value_rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention_reference`'s contract with the lengths read on the host: attention to the stored tokens
+    only, in position order (sink, the history's rows, the ring's recent slots), as a chunk attends to them, with no
+    mask over the unused rows and slots. What the CPU runs eagerly, where reading the lengths costs nothing."""
+    b = buffers
+    n_sink, n_hist, n_recent, ring_lo, q_start = lengths.tolist()
+    hist = [Packed(codes[:, :, :n_hist], None if meta is None else
+                   meta[:, : n_hist // stream.chunk] if stream.channelwise else meta[:, :, :n_hist], stream)
+            for codes, meta, stream in ((b.key_codes, b.key_meta, fmt.keys), (b.value_codes, b.value_meta, fmt.values))]
+    ring = b.ring_keys.shape[2]
+    recent = (slice(ring_lo, min(ring_lo + n_recent, ring)), slice(0, max(ring_lo + n_recent - ring, 0)))  # wrapped
+    keys = [b.sink_keys[:, :, :n_sink], dequantize(hist[0]), *(b.ring_keys[:, :, r] for r in recent)]
+    values = [b.sink_values[:, :, :n_sink], dequantize(hist[1]), *(b.ring_values[:, :, r] for r in recent)]
+    out, _ = _attention(q, keys, values, key_mask, queries_per_group, q_start, scale)
+    if value_rotation is not None:
+        out = rotate(out, value_rotation.float().transpose(-1, -2))
+    return out.to(q.dtype)
+
+
 def decode_attention(q, buffers: DecodeBuffers, fmt: LayerFormat, key_mask, lengths, queries_per_group: int,
                      scale: float, value_rotation=None, kernel: bool = False):
     """`decode_attention_reference`'s contract; `kernel` (decided once by the caller, outside any compiled region)
-    selects the Triton kernel `oscar::decode_attention`."""
+    selects the Triton kernel `oscar::decode_attention`. Without it, an eager step on the CPU (which reads the
+    lengths for free) runs `decode_attention_host`."""
     if not kernel:
-        return decode_attention_reference(q, buffers, fmt, key_mask, lengths, queries_per_group, scale, value_rotation)
+        attend = decode_attention_reference if torch.compiler.is_compiling() or q.is_cuda else decode_attention_host
+        return attend(q, buffers, fmt, key_mask, lengths, queries_per_group, scale, value_rotation)
     blocks, chunk, wide_rows, wide_channels = _kernel_layout(fmt.keys)
     b = buffers
     return kernel_op("decode_attention")(

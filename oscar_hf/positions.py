@@ -75,6 +75,14 @@ class PositionPlan:
         """[first, last) of the recent positions after `length` tokens."""
         return self.sink + self.history_rows(length), max(length, self.sink + self.history_rows(length))
 
+    def token_rows(self, host: bool) -> tuple[int, int] | tuple[torch.Tensor, torch.Tensor]:
+        """`write_rows` of the current single-token pass: as ints where `host` and the host knows the position, else as
+        the device's one-element tensors."""
+        start = self.host_start
+        if not host or start is None:
+            return self.write_rows[0:1], self.write_rows[1:2]
+        n_hist = self.history_rows(start)
+        return start - self.sink if start >= self.sink else -1, n_hist if self.history_rows(start + 1) > n_hist else -1
 
     # ------------------------------------------------------------------ state
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -76,10 +76,18 @@ class QuantizedHistory:
         if rows.shape[2]:
             ops.quantize_pack(rows, rotation, self.codes, self.meta, start, self.fmt, kernel=self.kernel)
 
-    def write_at(self, rows: torch.Tensor, start: torch.Tensor, ring: int = 0) -> None:
-        """Quantizes rows (rotated) into rows [start, start + n), `start` an int64 device tensor of one element
-        (negative: nothing is written), with no host synchronisation. `ring` > 0 (channel-wise): `rows` is the ring,
-        history row j at slot j mod ring, and the one chunk at `start` is read from it."""
+    def write_at(self, rows: torch.Tensor, start: torch.Tensor | int, ring: int = 0) -> None:
+        """Quantizes rows (rotated) into rows [start, start + n); a negative `start` writes nothing. `start` an int64
+        device tensor of one element: with no host synchronisation (branch-free: the rows are quantized and the old
+        bytes written back where nothing is due); an int: a plain `write`, where one is due. `ring` > 0
+        (channel-wise): `rows` is the ring, history row j at slot j mod ring, and the one chunk at `start` is read
+        from it."""
+        if isinstance(start, int):
+            if start >= 0:
+                if ring:
+                    rows = rows.index_select(2, torch.arange(start, start + self.fmt.chunk, device=rows.device) % ring)
+                self.write(rows, start)
+            return
         ops.quantize_pack_at(rows, self.codes, self.meta, start, self.fmt, ring=ring, kernel=self.kernel)
 
     def packed(self, start: int, end: int) -> Packed:

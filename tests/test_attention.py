@@ -102,6 +102,53 @@ def test_the_bf16_emulating_twin_rounds_the_probabilities_only():
     assert 1e-5 < err < 2e-2
 
 
+@pytest.mark.parametrize("case", [
+    dict(),                                                               # channel-wise keys, one key block
+    dict(key_blocks=(16, 64, 32), head_bits=(4, 2, 2), groups=2),          # per-head blocks, a wide head
+    dict(key_blocks=(32, 32, 64), wide_channels=(5, 0, 17)),               # wide key channels
+    dict(chunk=0, groups=4),                                              # token-wise keys
+    dict(bits=16, chunk=0),                                               # a 16-bit history
+    dict(n_hist=0, n_recent=7, ring_lo=0),                                # no history yet
+    dict(mask=False),
+])
+def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(case):
+    """Eager on the CPU, `decode_attention` reads the lengths on the host and attends to the stored tokens only:
+    sink, the history's first n_hist rows, the ring's recent slots (wrapped here). Rows and slots that hold no
+    stored token (filled with large values here) are never read; the branch-free twin over the whole buffers gives
+    the same output."""
+    case = {"key_blocks": (32, 32, 32), "chunk": 64, "bits": 2, "groups": 1, "head_bits": None, "wide_channels": (),
+            "n_hist": 128, "n_recent": 20, "ring_lo": 10, "mask": True, **case}
+    gen = torch.Generator().manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    b, h, g, d, sink, ring, capacity = 2, 3, 4, 64, 4, 24, 192
+    wide = wide_rows(case["head_bits"]) if case["head_bits"] else ()
+    common = dict(heads=h, head_dim=d, bits=case["bits"], group_size=d // case["groups"], wide_rows=wide)
+    values = StreamFormat(**common)
+    keys = StreamFormat(granularity="channel", blocks=case["key_blocks"], chunk=case["chunk"],
+                        wide_channels=case["wide_channels"], **common) if case["chunk"] else values
+    raw = rnd(b, h, capacity, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
+    raw[:, :, case["n_hist"]:] *= 1e4  # rows not in the history yet
+    hk, hv = quantize(raw.to(torch.bfloat16), keys), quantize(rnd(b, h, capacity, d).to(torch.bfloat16), values)
+    sink_k, sink_v, ring_k, ring_v = (rnd(b, h, n, d).to(torch.bfloat16) for n in (sink, sink, ring, ring))
+    stored = (case["ring_lo"] + torch.arange(case["n_recent"])) % ring
+    unused = torch.ones(ring, dtype=torch.bool).index_fill(0, stored, False)
+    ring_k[:, :, unused], ring_v[:, :, unused] = 1e4, 1e4
+    n = sink + case["n_hist"] + case["n_recent"]
+    lengths = torch.tensor([sink, case["n_hist"], case["n_recent"], case["ring_lo"], n - 1], dtype=torch.int32)
+    key_mask = None
+    if case["mask"]:
+        key_mask = torch.ones(b, sink + capacity + ring, dtype=torch.bool)
+        key_mask[1, :9] = False  # a left-padded row
+    rotation = torch.linalg.qr(rnd(h, d, d).double())[0].to(torch.bfloat16)
+    args = (rnd(b, h, g, d).to(torch.bfloat16), ops.DecodeBuffers(sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta,
+                                                                  ring_k, ring_v),
+            LayerFormat(keys, values), key_mask, lengths, 1, d ** -0.5, rotation)
+    out = ops.decode_attention(*args)
+    ref = ops.decode_attention_reference(*args)
+    assert torch.equal(out, ops.decode_attention_host(*args))
+    assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()  # within bf16 roundings
+
+
 def test_key_padding_mask_from_4d_masks():
     m = torch.ones(2, 1, 3, 6, dtype=torch.bool).tril(3)  # three queries after three past tokens
     m[1, :, :, :2] = False

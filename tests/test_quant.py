@@ -42,6 +42,20 @@ def test_codes_round_trip(bits):
     assert torch.equal(unpack_codes(packed, bits), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_unpacking_eight_bytes_at_a_time_matches_the_byte_planes(bits):
+    """Rows of a multiple of 16 bytes are unpacked as int64 words: every byte value, and views of a larger buffer (as
+    a history's rows are), give the codes of the byte-wise planes; rows the words cannot cover take the bytes."""
+    def byte_planes(packed):
+        return torch.cat([(packed >> (bits * p)) & ((1 << bits) - 1) for p in range(8 // bits)], -1)
+
+    buffer = torch.randint(0, 256, (2, 5, 40, 48), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    buffer[0, 0, :16, :16] = torch.arange(256, dtype=torch.uint8).reshape(16, 16)
+    for packed in (buffer, buffer[:, 1:4, 3:30], buffer[..., :32], buffer[..., 16:48], buffer[..., 8:40],
+                   buffer[..., :8], buffer[:, :, :0]):
+        assert torch.equal(unpack_codes(packed, bits), byte_planes(packed))
+
+
 def test_3bit_is_a_2bit_plane_plus_a_1bit_plane():
     codes = torch.arange(8, dtype=torch.uint8).repeat(4)
     packed = pack_3bit_u8(codes)
