@@ -393,9 +393,10 @@ RUNTIME_EVENTS = ("cuda", "cu", "aten::_local_scalar_dense", "aten::item", "aten
 
 def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False):
     """What a compiled decode step runs on the GPU: the CUDA kernels of one generate call of N + 1 tokens minus one of
-    1 token (both under torch.profiler, after a warm-up that compiled the step), per step: name, launches, µs. The
-    table per method goes to the log and to `kernels_<method>.txt`. `runtime`: the host side instead, the
-    `RUNTIME_EVENTS` calls per step with their host µs (`runtime_<method>.txt`): where an eager step waits."""
+    N/2 + 1 tokens (both under torch.profiler, after a warm-up that compiled the step), per step: name, launches, µs,
+    and where the GPU idles between kernels (`idle_gaps`). The table per method goes to the log and to
+    `kernels_<method>.txt`. `runtime`: the host side instead, the `RUNTIME_EVENTS` calls per step with their host µs
+    (`runtime_<method>.txt`): where an eager step waits."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -409,15 +410,19 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
     rows = []
     for m in methods:
         cache = _warmed_cache(m, model, batch, length, new_tokens, device)
-        tables = []
+        tables, gap_tables = [], []
         # on the CPU (the smoke test) the table lists the CPU ops instead
         activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda" and not runtime
                           else (ProfilerActivity.CPU, DeviceType.CPU))
-        for n in (new_tokens + 1, 1):
+        # two calls with decode steps, differenced: what each call does once (prefill, the first steps, in which
+        # the compiled step warms up and records its CUDA graphs) cancels, and steady steps remain
+        calls = (new_tokens + 1, new_tokens // 2 + 1)
+        steps = calls[0] - calls[1]
+        for n in calls:
             cache = reusable(m, model, batch, length + new_tokens + 8, cache)
             fill(cache, model, batch, length, device)
             ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
-            with prof(activities=[activity]) as p, torch.no_grad():
+            with prof(activities=[activity]) as p, torch.no_grad(), attention_for(model, m):
                 model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache,
                                attention_mask=torch.ones_like(ids), disable_compile=m not in COMPILED, pad_token_id=0)
                 sync()
@@ -427,18 +432,29 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
                     table[e.name][0] += 1
                     table[e.name][1] += e.time_range.elapsed_us()
             tables.append(table)
+            if not runtime and kind == DeviceType.CUDA:
+                gap_tables.append(idle_gaps(p.events(), kind))
             if runtime and n > 1:  # every host op of the long call by its own time: what the step's wall is made of
                 (out / f"runtime_{m}_ops.txt").write_text(
                     p.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
         long, short = tables
-        per_step = sorted(((name, (c - short.get(name, (0, 0))[0]) / new_tokens, (us - short.get(name, (0, 0.0))[1]) / new_tokens)
+        per_step = sorted(((name, (c - short.get(name, (0, 0))[0]) / steps, (us - short.get(name, (0, 0.0))[1]) / steps)
                            for name, (c, us) in long.items()), key=lambda r: -r[2])
         total = sum(r[2] for r in per_step)
         launches = sum(r[1] for r in per_step)
         text = "\n".join(f"{us:9.1f} us {cnt:7.1f}x  {name[:160]}" for name, cnt, us in per_step if abs(us) > 0.05)
         what = "runtime calls" if runtime else "kernels"
+        idle = ""
+        if gap_tables:  # per step, differenced like the kernels: the long call's gaps less the short call's
+            pairs = {k: ((c - gap_tables[1].get(k, (0, 0.0))[0]) / steps,
+                         (us - gap_tables[1].get(k, (0, 0.0))[1]) / steps) for k, (c, us) in gap_tables[0].items()}
+            gaps = dict(us_per_step=sum(us for _, us in pairs.values()),
+                        top=sorted(pairs.items(), key=lambda kv: -kv[1][1])[:15])
+            idle = (f"\nidle: {gaps['us_per_step']:.1f} us per step between kernels; the largest gaps per step "
+                    "(before -> after: us, count):\n"
+                    + "\n".join(f"{us:9.1f} us {c:6.1f}x  {a[:70]} -> {b[:70]}" for (a, b), (c, us) in gaps["top"]))
         (out / f"{'runtime' if runtime else 'kernels'}_{m}.txt").write_text(
-            f"{m} {arch} L={length} B={batch}: per decode step {total:.1f} us of {what} in {launches:.0f} calls\n{text}\n")
+            f"{m} {arch} L={length} B={batch}: per decode step {total:.1f} us of {what} in {launches:.0f} calls\n{text}\n{idle}\n")
         walls = {}
         if runtime:  # the same step's wall without the profiler, with and without Python's cyclic garbage collector
             import gc
@@ -446,19 +462,40 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
             for label in ("gc on", "gc off"):
                 (gc.enable if label == "gc on" else gc.disable)()
                 t = []
-                for n in (new_tokens + 1, 1):
+                for n in calls:
                     cache = reusable(m, model, batch, length + new_tokens + 8, cache)
                     fill(cache, model, batch, length, device)
                     t.append(generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m))
-                walls[label] = 1000 * (t[0] - t[1]) / new_tokens
+                walls[label] = 1000 * (t[0] - t[1]) / steps
             gc.enable()
             log(f"runtime {m}: wall per step " + ", ".join(f"{k} {v:.2f} ms" for k, v in walls.items()))
         rows.append(dict(method=m, arch=arch, length=length, batch=batch, kernel_us_per_step=total, wall_ms=walls,
                          launches_per_step=launches, top=[(n[:120], c, u) for n, c, u in per_step[:40]]))
+        if idle:
+            rows[-1]["idle_gaps"] = dict(us_per_step=gaps["us_per_step"],
+                                         top=[(a[:120], b[:120], c, us) for (a, b), (c, us) in gaps["top"]])
+            log(f"kernels {m} {idle.strip()}")
         log(f"{'runtime' if runtime else 'kernels'} {m} L={length} B={batch}: {total:.1f} us in {launches:.0f} calls per step; top: " +
             "; ".join(f"{n[:60]} {u:.1f} us ({c:.0f}x)" for n, c, u in per_step[:12]))
         del cache
     return rows
+
+
+def idle_gaps(events, kind) -> dict:
+    """Where the GPU waits: the gaps between consecutive kernels of a profiled call, summed by the pair of kernels
+    around them: {(before, after): [count, µs]}."""
+    from collections import defaultdict
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == kind)
+    pairs = defaultdict(lambda: [0, 0.0])
+    end, name = None, None
+    for start, stop, n in spans:
+        if end is not None and start > end:
+            pairs[(name, n)][0] += 1
+            pairs[(name, n)][1] += start - end
+        if end is None or stop >= end:
+            end, name = stop, n
+    return dict(pairs)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -559,22 +596,26 @@ def section_check(device):
     model.set_attn_implementation("oscar")
     rot = oscar_rotations(model)  # per-head key blocks (mixed), as in the speed section
     ids = torch.randint(10, 2000, (2, 700), device=device)
+    padding = torch.ones_like(ids)
+    padding[1, :37] = 0  # the second sequence left-padded: the key mask the decode graphs read
     static = lambda: StaticOscarCache(model, rot, OscarConfig(value_clip=0.92), max_cache_len=900)  # noqa: E731
-    makers = {"dynamic": lambda: OscarCache(model, rot, OscarConfig(value_clip=0.92)),
-              "static-eager": static,  # each layer's decode store and attention replayed as CUDA graphs (graphs.py)
+    dynamic = lambda: OscarCache(model, rot, OscarConfig(value_clip=0.92))  # noqa: E731
+    makers = {"dynamic": dynamic, "dynamic-no-graphs": dynamic,
+              "static-eager": static,  # each layer's decode step replayed as CUDA graphs (graphs.py)
               "static-eager-no-graphs": static, "static-compiled": static}
     outs, steps, used = {}, {}, {}
     for name, make in makers.items():
-        with torch.no_grad(), eager_graphs(name != "static-eager-no-graphs"):
+        with torch.no_grad(), eager_graphs(not name.endswith("no-graphs")):
             used[name] = make()
-            outs[name] = model.generate(ids, cache=used[name], max_new_tokens=150, min_new_tokens=150,
-                                        do_sample=False, disable_compile=name != "static-compiled", pad_token_id=0)
+            outs[name] = model.generate(ids, attention_mask=padding, cache=used[name], max_new_tokens=150,
+                                        min_new_tokens=150, do_sample=False, disable_compile=name != "static-compiled",
+                                        pad_token_id=0)
     forced = outs["dynamic"][:, 700:]
     for name, make in makers.items():
         cache = make()
         call = model.__call__ if name != "static-compiled" else torch.compile(model.__call__, mode="reduce-overhead",
                                                                                fullgraph=True)
-        with torch.no_grad(), eager_graphs(name != "static-eager-no-graphs"):
+        with torch.no_grad(), eager_graphs(not name.endswith("no-graphs")):
             logits = [model(ids, cache=cache).logits[:, -1]]
             for i in range(forced.shape[1] - 1):
                 pos = torch.full((2, 1), 700 + i, device=device)
@@ -582,13 +623,14 @@ def section_check(device):
         steps[name] = torch.stack(logits, 1).float()
     # the graphs replay the very kernels the eager calls launch: the same tokens and logits, bit for bit
     # (equality as a boolean: a float32 mean of 1,700 equal tokens is 0.99999994)
-    same = bool((outs["static-eager"] == outs["static-eager-no-graphs"]).all())
-    diff = (steps["static-eager"] - steps["static-eager-no-graphs"]).abs().max().item()
-    replays = dict(used["static-eager"].graphs.stats)  # direct: inputs read where they lie; copied: copied in first
-    rows.append(dict(check="static-eager CUDA graphs vs launches", generate_tokens_equal=same,
-                     teacher_forced_max_abs_logit_diff=diff, graph_replays=replays, ok=same and diff == 0.0))
-    log(f"check static-eager graphs vs launches: generate tokens all equal {same}, teacher-forced max logit diff "
-        f"{diff:.2e}, replays {replays} {'ok' if same and diff == 0.0 else 'FAIL'}")
+    for name in ("static-eager", "dynamic"):  # the dynamic cache's mask grows by a key per step (padded generate)
+        same = bool((outs[name] == outs[f"{name}-no-graphs"]).all())
+        diff = (steps[name] - steps[f"{name}-no-graphs"]).abs().max().item()
+        replays = dict(used[name].graphs.stats)  # direct: inputs read where they lie; copied: copied in first
+        rows.append(dict(check=f"{name} CUDA graphs vs launches", generate_tokens_equal=same,
+                         teacher_forced_max_abs_logit_diff=diff, graph_replays=replays, ok=same and diff == 0.0))
+        log(f"check {name} graphs vs launches (padded generate): generate tokens all equal {same}, teacher-forced max "
+            f"logit diff {diff:.2e}, replays {replays} {'ok' if same and diff == 0.0 else 'FAIL'}")
     for name in ("static-eager", "static-compiled"):
         same = (outs[name] == outs["dynamic"])[:, 700:]
         first = [int((~row).nonzero()[0]) if (~row).any() else row.numel() for row in same]
