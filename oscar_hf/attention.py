@@ -97,8 +97,21 @@ def decode_attention(view: DecodeView, query: torch.Tensor, attention_mask, scal
         return ops.decode_attention(q_rot, layer.decode_buffers(), layer.fmt, mask, layer.plan.lengths, t, scale,
                                     value_rotation=layer.value_rotation, kernel=layer.kernel)
 
-    mask = key_padding_mask(attention_mask)
-    out = layer._decode_call("attend", attend, query, *(() if mask is None else (mask,)), static=(scale,))
+    def store_and_attend(query, keys, values, mask=None):
+        layer._store_token(keys, values)
+        return attend(query, mask)
+
+    if attention_mask is None:
+        mask = ()
+    elif layer.uses_graphs(query):  # in a buffer the graphs read in place, copied once per pass, not once per layer
+        mask = (layer.graphs.key_mask(attention_mask, lambda: key_padding_mask(attention_mask)),)
+    else:
+        mask = (key_padding_mask(attention_mask),)
+    if view.pending is None:
+        out = layer._decode_call("attend", attend, query, static=(scale,), resident=mask)
+    else:  # the update left the token to this call: one graph stores it and attends
+        out = layer._decode_call("step", store_and_attend, query, *view.pending, static=(scale,), resident=mask)
+        view.pending = None
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
 
 

@@ -64,11 +64,15 @@ class ChunkView:
 
 @dataclass
 class DecodeView:
-    """A single-token step: the attention reads the layer's whole buffers with the lengths on the device."""
+    """A single-token step: the attention reads the layer's whole buffers with the lengths on the device.
+
+    `pending`: the step's keys and values `[B, H, 1, d]` when the update left storing them to the attention call
+    (eager steps), so that an eager CUDA step replays one graph per layer (store, then attend) instead of two."""
 
     layer: "OscarLayer"
     chunk_length: int
     batch: int
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def check_finite(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -168,8 +172,11 @@ class OscarLayer(CacheLayerMixin):
         if n == 1:
             if not self.is_compileable:
                 self._reserve(self.plan.host_length)
-            self._decode_call("store", self._store_token, key_states, value_states)
             view = DecodeView(self, 1, key_states.shape[0])
+            if fused and not torch.compiler.is_compiling():
+                view.pending = (key_states, value_states)  # the attention call stores them (one graph on CUDA)
+            else:
+                self._decode_call("store", self._store_token, key_states, value_states)
         else:
             key_states = self.centered(key_states)
             self._reserve(self.plan.host_length)
@@ -285,17 +292,24 @@ class OscarLayer(CacheLayerMixin):
         return DecodeBuffers(st.sink_keys[:, :, :s], st.sink_values[:, :, :s], st.keys.codes, st.keys.meta,
                              st.values.codes, st.values.meta, st.ring_keys[:, :, :r], st.ring_values[:, :, :r])
 
-    def _decode_call(self, name: str, fn: Callable, *inputs: torch.Tensor, static: tuple = ()):
-        """`fn(*inputs)`, a single-token step's store or attention: in an eager CUDA step replayed as a CUDA graph
-        (`graphs.py`; keyed by the inputs' layouts, the `static` arguments and this layer's buffer addresses), else
-        called. A tensor result from a graph is the graph's output buffer, valid until this layer's next decode step
-        replays it (the attention's caller, the model's o_proj, consumes it at once)."""
-        if not graphs.enabled(inputs[0], self.kernel):
-            return fn(*inputs)
+    def uses_graphs(self, x: torch.Tensor) -> bool:
+        """Whether this layer's single-token steps on `x` replay CUDA graphs (eager, on CUDA, with the kernels)."""
+        return graphs.enabled(x, self.kernel)
+
+    def _decode_call(self, name: str, fn: Callable, *inputs: torch.Tensor, static: tuple = (),
+                     resident: tuple[torch.Tensor, ...] = ()):
+        """`fn(*inputs, *resident)`, a single-token step's store and/or attention: in an eager CUDA step replayed as a
+        CUDA graph (`graphs.py`; keyed by the inputs' layouts, the `static` arguments, this layer's buffer addresses
+        and `resident`'s, which it reads in place), else called. A tensor result from a graph is the graph's output
+        buffer, valid until this layer's next decode step replays it (the attention's caller, the model's o_proj,
+        consumes it at once)."""
+        if not self.uses_graphs(inputs[0]):
+            return fn(*inputs, *resident)
         if self._graph_key is None:  # reset wherever the buffers are replaced (initialization, growth, batch changes)
             self._graph_key = (id(self), graphs.addresses(*self.storage.buffers(), *self._constants(),
                                                           *self.plan.tensors()))
-        return self.graphs.run((self._graph_key, name, static, graphs.signature(*inputs)), fn, *inputs)
+        return self.graphs.run((self._graph_key, name, static, graphs.signature(*inputs)), fn, *inputs,
+                               resident=resident)
 
     # ------------------------------------------------------------------ reading
     def stored_states(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """CUDA graphs for the eager decode step of a static cache.
 
-Without `torch.compile` a decode step is bound by host work (eval/KERNEL_NOTES.md): each OSCAR layer makes several
-Triton launches from Python, and Triton binds and specializes every argument of every launch. A `StaticOscarLayer`'s
-single-token store and attention read fixed buffers and device-side lengths only, so each can be captured once as a
-CUDA graph and replayed.
+Without `torch.compile` a decode step is bound by host work (docs/research-log.md, "Eager decode and CUDA graphs"):
+each OSCAR layer makes several Triton launches from Python, and Triton binds and specializes every argument of every
+launch. A layer's single-token step, storing the token and attending (`attention.decode_attention`), reads fixed
+buffers and device-side lengths only, so it can be captured once as one CUDA graph and replayed.
 
 A graph is keyed by what it captured: the inputs' shapes, dtypes and strides, the non-tensor arguments, and the
 addresses of the buffers it reads and writes (a layer whose buffers were replaced, e.g. by a batch change, captures
@@ -12,7 +12,7 @@ anew). Under that key a graph reads its inputs in one of two ways:
 - direct: where the inputs lay when it was captured. An eager step allocates the same tensors in the same order
   every step, so the caching allocator mostly hands the model's q/k/v the same addresses again; a call whose inputs
   are at a captured graph's addresses replays it with no copy. Up to `DIRECT` address sets are captured per key.
-- copied: from its own static copies, which a call fills first (one device copy per input): for every other call.
+- copied: from its own static copies, which a call fills first (one `_foreach_copy_`): for every other call.
 
 `OSCAR_HF_EAGER_GRAPHS=0` turns this off; it is off on the CPU, under dynamo (a compiled step is graphed as a whole)
 and while someone else is capturing.
@@ -36,40 +36,42 @@ def enabled(x: torch.Tensor, kernels: bool) -> bool:
 
 
 class GraphedCall:
-    """`fn(*inputs)` captured as a CUDA graph; a call replays it and returns the graph's own output.
+    """`fn(*inputs, *resident)` captured as a CUDA graph; a call replays it and returns the graph's own output.
 
     copied=True: the graph reads static copies of `inputs`, which each call fills from its arguments. copied=False:
     it reads the memory `inputs` occupy now, and may be called only with arguments at those very addresses (and
     layouts): `DecodeGraphs.run` checks that. No reference to them is kept, so the allocator may hand that memory
-    to the next step's inputs.
+    to the next step's inputs. `resident` tensors are read where they lie, always: buffers whose address is part of
+    the graph's key.
 
     `fn` must give the same result when run twice on equal inputs (it runs once as the warm-up on a side stream,
     which also compiles and loads its kernels, and then once per replay) and must read everything else from
     tensors whose addresses stay fixed. The output is overwritten by the next replay: callers consume it first.
     """
 
-    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], pool, copied: bool):
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], resident: tuple[torch.Tensor, ...], pool,
+                 copied: bool):
         captured = [x.clone() for x in inputs] if copied else list(inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            fn(*captured)
+            fn(*captured, *resident)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn(*captured)
+            self.output = fn(*captured, *resident)
         self.inputs = captured if copied else None
 
     def __call__(self, *inputs: torch.Tensor):
         if self.inputs is not None:
-            for dst, src in zip(self.inputs, inputs):
-                dst.copy_(src)
+            torch._foreach_copy_(self.inputs, list(inputs))  # one launch where the inputs share a dtype
         self.graph.replay()
         return self.output
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one static cache, sharing one memory pool (they replay one after another).
+    """The captured decode graphs of one cache, sharing one memory pool (they replay one after another), and the
+    key mask they read in place.
 
     `stats` counts replays by kind ("direct", "copied") and "captures", for benchmarks."""
 
@@ -77,10 +79,13 @@ class DecodeGraphs:
         self.calls: dict[tuple, dict] = {}  # key -> {input addresses: direct GraphedCall, None: the copied one}
         self.pool = None
         self.stats: Counter = Counter()
+        self._mask: torch.Tensor | None = None  # [B, capacity] bool
+        self._mask_source: tuple | None = None  # (the attention mask it holds, its version)
 
-    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor):
-        """`fn(*inputs)` by replaying a graph captured under `key` (captured now if none fits)."""
-        graphs = self.calls.setdefault(key, {})
+    def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor, resident: tuple[torch.Tensor, ...] = ()):
+        """`fn(*inputs, *resident)` by replaying a graph captured under `key` and the layouts and addresses of
+        `resident` (captured now if none fits)."""
+        graphs = self.calls.setdefault((key, signature(*resident), addresses(*resident)), {})
         where = addresses(*inputs)
         call = graphs.get(where)
         if call is None:
@@ -90,10 +95,26 @@ class DecodeGraphs:
             if call is None:
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                call = graphs[where] = GraphedCall(fn, inputs, self.pool, copied=not direct)
+                call = graphs[where] = GraphedCall(fn, inputs, resident, self.pool, copied=not direct)
                 self.stats["captures"] += 1
         self.stats["copied" if where is None else "direct"] += 1
         return call(*inputs)
+
+    def key_mask(self, attention_mask: torch.Tensor, row: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The keys each sequence may see, `row()` `[B, N]` bool, in a buffer `[B, C]` (C >= N) that keeps its address
+        while it fits, so that a graph reads it in place: copied once per `attention_mask` (every layer of a pass
+        gets the same one), and reallocated, at least twice as long, when a longer mask or another batch comes."""
+        source = (attention_mask, attention_mask._version)
+        if self._mask_source is not None and self._mask_source[0] is source[0] and self._mask_source[1] == source[1]:
+            return self._mask
+        keys = row()
+        b, n = keys.shape
+        if self._mask is None or self._mask.shape[0] != b or self._mask.shape[1] < n:
+            grown = 2 * self._mask.shape[1] if self._mask is not None and self._mask.shape[0] == b else 0
+            self._mask = torch.zeros(b, max(n, grown), dtype=torch.bool, device=keys.device)
+        self._mask[:, :n].copy_(keys)
+        self._mask_source = source
+        return self._mask
 
     def clear(self) -> None:
         self.calls.clear()

@@ -274,16 +274,17 @@ def test_batch_selection_and_expansion_follow_the_dynamic_cache():
 
 def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatch):
     """The capture itself needs CUDA (checked on the H200: bench_generate.py's `check`, graphs vs launches bit for
-    bit); here the keys: one store and one attention graph per layer, reused across steps (the lengths live on the
-    device), a new one when the buffers are replaced (batch selection) or the mask appears."""
+    bit); here the keys: one graph per layer (the token's store and the attention), reused across steps (the lengths
+    live on the device), a new one when the buffers are replaced (batch selection). The key mask is copied once per
+    pass into one buffer the graphs read in place: a padding mask needs no graph of its own."""
     from oscar_hf import graphs
 
     model, _, sta = _pair()
     keys = []
 
-    def run(self, key, fn, *inputs):
-        keys.append(key)
-        return fn(*inputs)
+    def run(self, key, fn, *inputs, resident=()):
+        keys.append((key, graphs.signature(*resident), graphs.addresses(*resident)))  # as DecodeGraphs.run keys them
+        return fn(*inputs, *resident)
 
     assert not graphs.enabled(torch.zeros(1), True)  # never on the CPU
     monkeypatch.setattr(graphs, "enabled", lambda x, kernels: True)
@@ -294,12 +295,18 @@ def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatc
         assert keys == []
         for s in range(3):
             model(_ids(3, 1, 50 + s), cache=sta)
-        assert len(keys) == 3 * 2 * layers and len(set(keys)) == 2 * layers
+        assert len(keys) == 3 * layers and len(set(keys)) == layers
+        assert all(key[0][1] == "step" for key in keys)
         sta.batch_select_indices(torch.tensor([2, 0]))
         model(_ids(2, 1, 60), cache=sta)
-        assert len(set(keys)) == 4 * layers
-        model(_ids(2, 1, 61), attention_mask=torch.ones(2, 35, dtype=torch.long), cache=sta)
-    assert len(set(keys)) == 5 * layers  # the attention with a padding mask is a graph of its own
+        assert len(set(keys)) == 2 * layers
+        mask = sta.graphs._mask
+        assert mask.shape == (2, 200)  # the static cache's max_cache_len
+        padded = torch.ones(2, 35, dtype=torch.long)
+        padded[1, :4] = 0
+        model(_ids(2, 1, 61), attention_mask=padded, cache=sta)
+    assert len(set(keys)) == 2 * layers and sta.graphs._mask is mask
+    assert not mask[1, :4].any() and mask[1, 4:35].all() and mask[0, :35].all()
 
 
 def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(monkeypatch):
@@ -311,7 +318,7 @@ def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(mo
     made = []
 
     class FakeCall:
-        def __init__(self, fn, inputs, pool, copied):
+        def __init__(self, fn, inputs, resident, pool, copied):
             self.copied, self.where = copied, graphs.addresses(*inputs)
             made.append(self)
 
@@ -333,3 +340,30 @@ def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(mo
     assert g.run("k", None, xs[0]) is first  # a captured address set still replays directly
     assert g.run("other", None, xs[graphs.DIRECT]) is not copied and not made[-1].copied
     assert g.stats == {"captures": graphs.DIRECT + 2, "direct": graphs.DIRECT + 3, "copied": 2}
+
+
+def test_decode_graphs_key_mask_is_copied_once_per_mask_and_grows_by_doubling():
+    """The key mask the eager graphs read in place: one copy per attention mask (the layers of a pass share it), the
+    same buffer while masks fit (a dynamic cache's mask grows by one key per step), at least twice as long when one
+    does not, and a new buffer for another batch."""
+    from oscar_hf import graphs
+
+    g = graphs.DecodeGraphs()
+    rows = []
+
+    def row(m):
+        return lambda: rows.append(m) or m[:, 0, -1, :]
+
+    m1 = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    m1[1, ..., :3] = False
+    buf = g.key_mask(m1, row(m1))
+    assert buf.shape == (2, 10) and torch.equal(buf, m1[:, 0, -1])
+    assert g.key_mask(m1, row(m1)) is buf and len(rows) == 1  # the next layer of the pass: no copy
+    m1[0, ..., 5] = False  # written in place: copied again
+    assert torch.equal(g.key_mask(m1, row(m1))[0], m1[0, 0, -1]) and len(rows) == 2
+    m2 = torch.ones(2, 1, 1, 11, dtype=torch.bool)
+    grown = g.key_mask(m2, row(m2))
+    assert grown.shape == (2, 20) and grown[:, :11].all()
+    m3 = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
+    assert g.key_mask(m3, row(m3)) is grown and not grown[:, :12].any()
+    assert g.key_mask(m1[:1], row(m1[:1])).shape == (1, 10)  # another batch
