@@ -367,3 +367,57 @@ def test_decode_graphs_key_mask_is_copied_once_per_mask_and_grows_by_doubling():
     m3 = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
     assert g.key_mask(m3, row(m3)) is grown and not grown[:, :12].any()
     assert g.key_mask(m1[:1], row(m1[:1])).shape == (1, 10)  # another batch
+
+
+class _EmulatedGraph:
+    """`graphs.GraphedCall` emulated on the CPU, as a CUDA graph behaves: the warm-up runs `fn` once; a replay runs it
+    again on what the graph reads (its own copies of the inputs, refilled by each call, or, direct, the memory the
+    inputs occupy, and the resident tensors in place) into one output buffer that the next replay overwrites."""
+
+    def __init__(self, fn, inputs, resident, pool, copied):
+        self.fn, self.resident = fn, resident
+        self.inputs = [x.clone() for x in inputs] if copied else None
+        fn(*(self.inputs if copied else inputs), *resident)
+        self.output = None
+
+    def __call__(self, *inputs):
+        if self.inputs is not None:
+            torch._foreach_copy_(self.inputs, list(inputs))
+        out = self.fn(*(self.inputs if self.inputs is not None else inputs), *self.resident)
+        if self.output is None:
+            self.output = torch.empty_like(out)
+        return self.output.copy_(out)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_eager_decode_graphs_replay_what_the_launches_compute(monkeypatch, kind):
+    """An eager step's graphs (one per layer: the token's store, then the attention) against the same step launched
+    op by op, with the kernels (the Triton interpreter) and CUDA graphs emulated (`_EmulatedGraph`): a padded batch
+    (the key mask buffer the graphs read in place; a dynamic cache's grows), a key block completing during decode,
+    the same greedy tokens and logits bit for bit."""
+    from oscar_hf import graphs
+
+    monkeypatch.setenv("OSCAR_HF_KERNELS", "1")
+    monkeypatch.setattr(graphs, "GraphedCall", _EmulatedGraph)
+    monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
+    on = {"graphs": False}
+    monkeypatch.setattr(graphs, "enabled", lambda x, kernels: kernels and on["graphs"])
+    model = tiny_model(dtype=torch.bfloat16, head_dim=64, num_hidden_layers=1)
+    rotations = OscarRotations.data_free(model, "hadamard")
+    config = OscarConfig(sink_tokens=4, window_tokens=16, demotion_block=16, key_block=16, value_clip=0.95)
+    ids = _ids(2, 35, 3)
+    padding = torch.ones_like(ids)
+    padding[1, :5] = 0
+    outs, caches = {}, {}
+    for graphed in (False, True):
+        on["graphs"] = graphed
+        cache = (OscarCache(model, rotations, config) if kind == "dynamic"
+                 else StaticOscarCache(model, rotations, config, max_cache_len=64))
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=padding, cache=cache, max_new_tokens=3, min_new_tokens=3,
+                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        outs[graphed], caches[graphed] = out, cache
+    assert caches[False].layers[0].kernel  # the kernels ran, not the twins
+    assert not caches[False].graphs.stats and caches[True].graphs.stats["captures"] > 0
+    assert torch.equal(outs[True].sequences, outs[False].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[True].logits, outs[False].logits))
