@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.real_model
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
@@ -42,7 +43,7 @@ def test_stored_numbers_are_parsed_from_the_notebook():
     assert numbers["memory"][-1].startswith("8000 tokens:")
 
 
-def test_quickstart_notebook_runs_and_its_stored_outputs_are_current(tmp_path):
+def test_quickstart_notebook_runs_and_its_stored_outputs_are_current(tmp_path, monkeypatch):
     """Guards (12): the notebook runs, and the perplexities, greedy-token count and KV memory table stored in it are
     those the current code computes (within the tolerances above): stored outputs went stale (25.88 / 18 tokens /
     3.04 bits shown, 25.47 / 25 / 3.27 computed). Fix: `make notebook`."""
@@ -51,6 +52,8 @@ def test_quickstart_notebook_runs_and_its_stored_outputs_are_current(tmp_path):
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     stored = stored_numbers(_text(nb))
+    # the kernel takes this worker's share of the cores (conftest), not all of them beside the other workers
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     # interrupt_on_timeout: a cell that outlives the timeout fails with the kernel's traceback (where it was), not
     # only its source
     NotebookClient(nb, timeout=1200, interrupt_on_timeout=True, kernel_name="python3",
