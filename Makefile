@@ -20,9 +20,9 @@ demo: install
 	$(BIN)/oscar-hf demo
 
 # One worker per core (CI has 2), each test file on one worker (a file's fixtures, such as the calibrated SmolLM2,
-# are built once).
+# are built once), files handed out in collection order (tests/conftest.py puts the ones that take minutes first).
 test: install
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Re-executes the quickstart notebook and stores its outputs (what a reader on GitHub sees).
 notebook: install

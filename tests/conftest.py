@@ -20,6 +20,16 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _workers))
 
 VOCAB = 112
 
+# The test files that take minutes, first: pytest-xdist (`--dist loadfile --no-loadscope-reorder`, `make test`)
+# hands files to its workers in collection order, so these two start at once on different workers; by default it
+# orders files by their number of tests, which put these last (a tail of a minute or two on one worker).
+FIRST = ("test_real_model.py", "test_notebook.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: every file keeps its own order
+
 
 def char_tokenizer():
     """A character-level fast tokenizer over printable ASCII (ids < VOCAB), for calibration tests on tiny models."""
