@@ -221,7 +221,7 @@ def main():
     qvariants += [(128, 2, True, False, False, True, False), (64, 4, False, True, False, False, False)]
     qvariants += [(d, 1, r, True, True, False, True) for d in (64, 128) for r in (False, True)]  # wide heads
     for d, groups, rotate, clip, bf16, meta_bf16, wide in qvariants:
-        const = dict(D=d, GROUPS=groups, BLOCK_T=16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
+        const = dict(D=d, GROUPS=groups, BLOCK_T=64 if rotate and d <= 128 else 16 if d >= 256 else 32, ROTATE=rotate, CLIP=clip, STORE_BF16=bf16,
                      META=int(meta_bf16), UPCAST=False, SORT_BITS=16, TILES=8, DEVICE_START=False, WIDE=wide)
         qtype = "bf16" if bf16 else "fp16"
         try:

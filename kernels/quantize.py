@@ -33,15 +33,6 @@ from ..format import StreamFormat
 
 
 @triton.jit
-def _rint(x):
-    # Round half to even, like torch.round (x is small: |x| < 2^22).
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
-
-
-@triton.jit
 def _scale_minimum(lo, hi, META: tl.constexpr, wide):
     # The stored scale and minimum, rounded to the metadata dtype exactly as `quant.quantize_rows` does
     # (META: 0 float16, 1 bfloat16, 2 float32; clamped to the dtype's range, scale at least its smallest normal).
@@ -75,8 +66,9 @@ def _meta_value(v, META: tl.constexpr):
 @triton.jit
 def _wide_codes(x, s, m, wide):
     """Codes rint((x − m)/s) in [0, 3], or, for a wide head, the 4-bit code's (high, low) 2-bit planes in [0, 15]."""
-    codes = _rint((x - m) / s)
-    codes = tl.minimum(tl.maximum(codes, 0.0), tl.where(wide, 15.0, 3.0)).to(tl.int32)
+    v = tl.minimum(tl.maximum((x - m) / s, 0.0), tl.where(wide, 15.0, 3.0))  # clamping first: rint keeps integers
+    # adding 1.5·2^23 rounds v to an integer half to even (as torch.round), left in the float's low mantissa bits
+    codes = (v + 12582912.0).to(tl.int32, bitcast=True) & 15
     return tl.where(wide, codes >> 2, codes), codes & 3
 
 
@@ -212,33 +204,63 @@ def _quantize_pack_channels_kernel(
 
 
 @triton.jit
+def _count_at_most(keys, mid, PAIRS: tl.constexpr):
+    """Per row, #{patterns <= mid}. PAIRS: `keys` holds two 15-bit patterns p per uint32, stored as 0x8000 − p in
+    its 16-bit halves: adding mid (< 0x8000) to both halves sets bit 15 of a half exactly when p <= mid, with no
+    carry into the other half, so one add counts two patterns."""
+    if PAIRS:
+        c = tl.sum(((keys + mid[:, None] * 0x10001) & 0x80008000) >> 15, axis=1)
+        return ((c & 0xFFFF) + (c >> 16)).to(tl.int32)
+    return tl.sum((keys <= mid[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _order_statistic_abs(x, k, STORE_BF16: tl.constexpr, SORT_BITS: tl.constexpr):
     """Per row of x [T, D], the k-th smallest |x| (0-based): exactly sort(|x|)[k], found without a sort.
 
     Non-negative floats order like their bit patterns, so the threshold is the smallest pattern t with
-    #{|x| <= t} >= k + 1, found by bisection over the patterns: one compare-and-count pass per bit. Rows stored in
-    16 bits (bf16 / fp16, as the cache's are, rotated or not) have 15-bit patterns: 15 passes instead of a bitonic
-    sort's ~28 compare-and-swap stages with their shuffles; float32 rows take 31. (A four-way search, 8 passes with
-    three counts packed into one reduction each, measured slower on the H200: the compares cost, not the
-    reductions; eval/KERNEL_NOTES.md.)"""
-    a = tl.abs(x)
+    #{|x| <= t} >= k + 1, found by bisection over the patterns up to the row's largest: one compare-and-count pass
+    per bit. The first split is four octaves below the largest rather than halfway (clip thresholds that far below
+    a row's largest |x| are rare: most rows are left with four octaves, 9 more passes for bf16 rather than 14); the
+    passes then go on while some row of the tile has more than one candidate. Rows stored in 16 bits (bf16 / fp16,
+    as the cache's are, rotated or not) have 15-bit patterns, counted two per 32-bit add (`_count_at_most`);
+    float32 rows have 31-bit ones. (A four-way search, three counts per pass, measured slower on the H200: the
+    compares cost, not the reductions; docs/research-log.md.)"""
     if SORT_BITS == 16:
-        if STORE_BF16:
-            key = a.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        # pairs of neighbouring columns (in one thread: the split moves nothing, and the search stays in its layout)
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+        top = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
+        if STORE_BF16:  # x holds bf16 values: a pattern is the top half of the float32's, less the sign
+            pairs = (even.to(tl.uint32, bitcast=True) >> 16) | (odd.to(tl.uint32, bitcast=True) & 0xFFFF0000)
+            pairs = pairs & 0x7FFF7FFF
+            top = top.to(tl.uint32, bitcast=True) >> 16
+            span: tl.constexpr = 4 << 7  # four octaves of patterns: 2^7 each (7 mantissa bits)
         else:
-            key = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+            pairs = (even.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) | (
+                odd.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16)) & 0x7FFF7FFF
+            top = top.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            span: tl.constexpr = 4 << 10
+        keys = 0x80008000 - pairs
     else:
-        key = a.to(tl.int32, bitcast=True)
-    lo = tl.zeros((x.shape[0],), tl.int32)
-    hi = tl.full((x.shape[0],), (1 << (SORT_BITS - 1)) - 1, tl.int32)
-    for _ in tl.static_range(SORT_BITS - 1):
+        keys = tl.abs(x).to(tl.uint32, bitcast=True)
+        top = tl.max(keys, axis=1)
+        span: tl.constexpr = 4 << 23
+    lo = tl.zeros((x.shape[0],), tl.uint32)
+    hi = top
+    mid = tl.where(hi > span, hi - span, lo)
+    enough = _count_at_most(keys, mid, SORT_BITS == 16) >= k + 1
+    hi = tl.where(enough, mid, hi)
+    lo = tl.where(enough, lo, mid + 1)
+    # passes left: the bit length of the widest row's hi − lo (its float32 exponent; rounding up costs one pass)
+    passes = (tl.max(hi - lo).to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 126
+    for _ in range(passes):
         mid = lo + ((hi - lo) >> 1)
-        enough = tl.sum((key <= mid[:, None]).to(tl.int32), axis=1) >= k + 1
+        enough = _count_at_most(keys, mid, SORT_BITS == 16) >= k + 1
         hi = tl.where(enough, mid, hi)
         lo = tl.where(enough, lo, mid + 1)
     if SORT_BITS == 16:
         if STORE_BF16:
-            return lo.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            return (lo << 16).to(tl.float32, bitcast=True)
         return lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo.to(tl.float32, bitcast=True)
 
@@ -454,10 +476,12 @@ def quantize_pack_triton(
         return
     groups = meta.shape[3]
     clip_index = min(int(clip_ratio * d + 1e-9), d)
-    block_t = 16 if d >= 256 else 32
+    # rotated rows: 64 x 4 warps, one wgmma tile whose accumulator keeps each row within one warp (the clip search's
+    # counts reduce without shared memory); 32 (16 at head_dim 256) otherwise, as registers allow
+    block_t = 64 if rotation is not None and d <= 128 else 16 if d >= 256 else 32
     num_warps = 4
     if rotation is None and n < block_t:
-        # a decode step's one token per head: a tile of one row in one warp (the 15 passes of the clip search are
+        # a decode step's one token per head: a tile of one row in one warp (the passes of the clip search are
         # warp reductions then, no shared memory; 32 masked rows in 4 warps took 9 us per layer on the H200)
         block_t = triton.next_power_of_2(n)
         num_warps = 1 if block_t * d <= 2048 else 4

@@ -211,10 +211,10 @@ def test_float32_metadata_is_not_rounded_to_16_bits():
     (64, 4, 0.8, False, torch.float16, 2),
 ])
 def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, tiles_per_program):
-    # tiles_per_program=2: several row tiles per program (long prefills on the GPU); 100 rows make two programs of
-    # two 32-row tiles (16 at head_dim 256), the last tile ragged
+    # tiles_per_program=2: several row tiles per program (long prefills on the GPU); 150 rows make two programs of
+    # two 64-row tiles when rotating (the third ragged, the fourth empty), three of two 32-row tiles otherwise
     g = torch.Generator().manual_seed(d + groups)
-    b, h, n, start, cap = (2, 2, 37, 5, 50) if tiles_per_program is None else (1, 2, 100, 5, 110)
+    b, h, n, start, cap = (2, 2, 37, 5, 50) if tiles_per_program is None else (1, 2, 150, 5, 160)
     fmt = StreamFormat(h, d, 2, group_size=d // groups, clip=ratio)
     x = (torch.randn(b, h, n, d, generator=g) * 3).to(dtype)
     rotation = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].to(dtype) if rotate else None
@@ -238,13 +238,16 @@ def test_quantize_pack_matches_the_torch_twin(d, groups, ratio, rotate, dtype, t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_clip_threshold_by_bisection_equals_the_sorted_value(dtype):
     """The quantize kernel's clip threshold (bisection over bit patterns) is exactly sort(|x|)[k], ties and zeros
-    included, for every k (head_dim 32) and for a few k at head_dim 256."""
+    included, for every k (head_dim 32) and for a few k at head_dim 256: also for a row of zeros (no pattern above
+    the first split) and for a row whose threshold lies far below its largest value (the first split misses)."""
     g = torch.Generator().manual_seed(7)
     for d, ks in ((32, range(32)), (256, (0, 1, 127, 200, 255))):
         x = torch.randn(8, d, generator=g) * torch.logspace(-6, 6, 8)[:, None]
         x[0, :10] = 0.0  # zeros
         x[1] = torch.randint(-3, 4, (d,), generator=g).float()  # many ties
         x[2, ::2] = -x[2, 1::2]  # equal magnitudes of both signs
+        x[3] = 0.0
+        x[4, 0] = x[4].abs().max() * 1e4  # one outlier: every other |x| more than four octaves below it
         x = x.to(dtype)
         reference = x.float().abs().sort(dim=1).values
         for k in ks:
