@@ -50,16 +50,20 @@ class GraphedCall:
     """
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], resident: tuple[torch.Tensor, ...], pool,
-                 copied: bool):
+                 stream, copied: bool):
         captured = [x.clone() for x in inputs] if copied else list(inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             fn(*captured, *resident)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn(*captured, *resident)
+            self.graph = torch.cuda.CUDAGraph()
+            # capture_begin/end rather than `torch.cuda.graph`, which first synchronizes the device and empties the
+            # allocator's cache: milliseconds per capture, and a new cache captures every layer in its first steps
+            self.graph.capture_begin(pool)
+            try:
+                self.output = fn(*captured, *resident)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         self.inputs = captured if copied else None
 
     def __call__(self, *inputs: torch.Tensor):
@@ -78,6 +82,7 @@ class DecodeGraphs:
     def __init__(self):
         self.calls: dict[tuple, dict] = {}  # key -> {input addresses: direct GraphedCall, None: the copied one}
         self.pool = None
+        self.stream = None  # every capture and its warm-up run on this side stream, into `pool`
         self.stats: Counter = Counter()
         self._mask: torch.Tensor | None = None  # [B, capacity] bool
         self._mask_source: tuple | None = None  # (the attention mask it holds, its version)
@@ -93,9 +98,9 @@ class DecodeGraphs:
             where = where if direct else None
             call = graphs.get(where)
             if call is None:
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                call = graphs[where] = GraphedCall(fn, inputs, resident, self.pool, copied=not direct)
+                if self.stream is None:
+                    self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+                call = graphs[where] = GraphedCall(fn, inputs, resident, self.pool, self.stream, copied=not direct)
                 self.stats["captures"] += 1
         self.stats["copied" if where is None else "direct"] += 1
         return call(*inputs)

@@ -318,7 +318,7 @@ def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(mo
     made = []
 
     class FakeCall:
-        def __init__(self, fn, inputs, resident, pool, copied):
+        def __init__(self, fn, inputs, resident, pool, stream, copied):
             self.copied, self.where = copied, graphs.addresses(*inputs)
             made.append(self)
 
@@ -329,6 +329,7 @@ def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(mo
 
     monkeypatch.setattr(graphs, "GraphedCall", FakeCall)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda: "capture stream")
     g = graphs.DecodeGraphs()
     xs = [torch.zeros(4) for _ in range(graphs.DIRECT + 2)]
     first = g.run("k", None, xs[0])
@@ -374,7 +375,7 @@ class _EmulatedGraph:
     again on what the graph reads (its own copies of the inputs, refilled by each call, or, direct, the memory the
     inputs occupy, and the resident tensors in place) into one output buffer that the next replay overwrites."""
 
-    def __init__(self, fn, inputs, resident, pool, copied):
+    def __init__(self, fn, inputs, resident, pool, stream, copied):
         self.fn, self.resident = fn, resident
         self.inputs = [x.clone() for x in inputs] if copied else None
         fn(*(self.inputs if copied else inputs), *resident)
@@ -401,6 +402,7 @@ def test_eager_decode_graphs_replay_what_the_launches_compute(monkeypatch):
     monkeypatch.setenv("OSCAR_HF_KERNELS", "1")
     monkeypatch.setattr(graphs, "GraphedCall", _EmulatedGraph)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda: "capture stream")
     on = {"graphs": False}
     monkeypatch.setattr(graphs, "enabled", lambda x, kernels: kernels and on["graphs"])
     model = tiny_model(dtype=torch.bfloat16, head_dim=64, num_hidden_layers=1)
