@@ -305,12 +305,14 @@ def section_check(device, quick):
              (4, 8, 16384, 128, True, "mixed"), (32, 8, 128, 128, False, "mixed"), (2, 2, 4096, 64, False, "block128"),
              (4, 8, 16384, 128, True, "wide"), (32, 8, 128, 128, False, "wide"), (2, 2, 4096, 64, True, "wide"),
              (4, 8, 16384, 128, True, "channels"), (32, 8, 128, 128, False, "channels"),
-             (2, 3, 4096, 64, True, "channels"), (2, 2, 4096, 256, False, "channels")]
+             (2, 3, 4096, 64, True, "channels"), (2, 2, 4096, 256, False, "channels"),
+             (4, 8, 16384, 128, True, "token-clip0.6")]  # a low clip: the clip search's longest bracket
     for (b, h, n, d, rotate, layout) in (cases if not quick else [(2, 2, 320, 64, True, "token"),
                                                                     (2, 2, 256, 64, True, "default"),
                                                                     (2, 4, 256, 64, True, "mixed"),
                                                                     (2, 4, 256, 64, True, "wide"),
                                                                     (2, 4, 256, 64, True, "channels")]):
+        layout, _, low_clip = layout.partition("-clip")
         key_blocks, chunk = key_layout(h, layout)
         wide = list(wide_layout(h, layout))
         channels = list(wide_channel_layout(h, layout, d))
@@ -318,7 +320,7 @@ def section_check(device, quick):
         x = (torch.randn(b, h, n, d, device=device) * 3 + torch.randn(d, device=device)).to(torch.bfloat16)
         rot = torch.linalg.qr(torch.randn(h, d, d, device=device))[0].to(torch.bfloat16) if rotate else None
         start = chunk or 3
-        clip = 1.0 if chunk else 0.96
+        clip = 1.0 if chunk else float(low_clip or 0.96)
         fmt = stream_format(h, d, key_blocks, chunk, wide, channels, clip=clip)
         outs = []
         for kernel in (False, True):
@@ -337,8 +339,8 @@ def section_check(device, quick):
         written = bool((outs[1][0][:, :, :start] == 0xAA).all()) and not bool(torch.isnan(written_meta).any())
         passed = written and differ < 0.01 and (a - r).abs().max().item() <= 1
         rows.append(dict(kind="quantize_pack", batch=b, kv_heads=h, tokens=n, head_dim=d, rotate=rotate, key_layout=layout,
-                         key_blocks=list(key_blocks), key_chunk=chunk, codes_differing=differ, passed=passed))
-        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} keys {layout}: {differ:.2e} of codes differ "
+                         clip=clip, key_blocks=list(key_blocks), key_chunk=chunk, codes_differing=differ, passed=passed))
+        log(f"check quantize B={b} H={h} n={n} d={d} rotate={rotate} keys {layout} clip {clip}: {differ:.2e} of codes differ "
             f"{'ok' if passed else 'FAIL'}")
         free()
     # the static cache's decode writes: first row read on the device, negative = nothing written
