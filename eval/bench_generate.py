@@ -424,13 +424,13 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
         for n in calls * 2:
             cache = reusable(m, model, batch, length + new_tokens + 8, cache)
             fill(cache, model, batch, length, device)
-            _generate_call(model, cache, batch, length, n, m, device)
+            generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m)
         captured = _captures(cache)
         for n in calls:
             cache = reusable(m, model, batch, length + new_tokens + 8, cache)
             fill(cache, model, batch, length, device)
             with prof(activities=[activity]) as p:
-                _generate_call(model, cache, batch, length, n, m, device)
+                generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m)
             table = defaultdict(lambda: [0, 0.0])
             for e in p.events():
                 if e.device_type == kind and (not runtime or e.name.startswith(RUNTIME_EVENTS)):
@@ -487,15 +487,6 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
             "; ".join(f"{n[:60]} {u:.1f} us ({c:.0f}x)" for n, c, u in per_step[:12]))
         del cache
     return rows
-
-
-def _generate_call(model, cache, batch, length, n, method, device):
-    """One generate call of `n` new tokens after a prompt of `length` + 1 (greedy, every token generated)."""
-    ids = torch.randint(10, min(1000, model.config.vocab_size), (batch, length + 1), device=device)
-    with torch.no_grad(), attention_for(model, method):
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache=cache,
-                       attention_mask=torch.ones_like(ids), disable_compile=method not in COMPILED, pad_token_id=0)
-        sync()
 
 
 def _captures(cache) -> int:
