@@ -101,16 +101,18 @@ def decode_attention(view: DecodeView, query: torch.Tensor, attention_mask, scal
         layer._store_token(keys, values)
         return attend(query, mask)
 
+    graphed = layer.uses_graphs(query)
     if attention_mask is None:
         mask = ()
-    elif layer.uses_graphs(query):  # in a buffer the graphs read in place, copied once per pass, not once per layer
+    elif graphed:  # in a buffer the graphs read in place, copied once per pass, not once per layer
         mask = (layer.graphs.key_mask(attention_mask, lambda: key_padding_mask(attention_mask)),)
     else:
         mask = (key_padding_mask(attention_mask),)
     if view.pending is None:
-        out = layer._decode_call("attend", attend, query, static=(scale,), resident=mask)
+        out = layer._decode_call("attend", attend, query, static=(scale,), resident=mask, graphed=graphed)
     else:  # the update left the token to this call: one graph stores it and attends
-        out = layer._decode_call("step", store_and_attend, query, *view.pending, static=(scale,), resident=mask)
+        out = layer._decode_call("step", store_and_attend, query, *view.pending, static=(scale,), resident=mask,
+                                 graphed=graphed)
         view.pending = None
     return out.reshape(b, hq, t, d).transpose(1, 2).contiguous()
 

@@ -297,13 +297,13 @@ class OscarLayer(CacheLayerMixin):
         return graphs.enabled(x, self.kernel)
 
     def _decode_call(self, name: str, fn: Callable, *inputs: torch.Tensor, static: tuple = (),
-                     resident: tuple[torch.Tensor, ...] = ()):
+                     resident: tuple[torch.Tensor, ...] = (), graphed: bool | None = None):
         """`fn(*inputs, *resident)`, a single-token step's store and/or attention: in an eager CUDA step replayed as a
         CUDA graph (`graphs.py`; keyed by the inputs' layouts, the `static` arguments, this layer's buffer addresses
-        and `resident`'s, which it reads in place), else called. A tensor result from a graph is the graph's output
-        buffer, valid until this layer's next decode step replays it (the attention's caller, the model's o_proj,
-        consumes it at once)."""
-        if not self.uses_graphs(inputs[0]):
+        and `resident`'s, which it reads in place), else called. `graphed`: `uses_graphs(inputs[0])`, where the
+        caller has it already. A tensor result from a graph is the graph's output buffer, valid until this layer's
+        next decode step replays it (the attention's caller, the model's o_proj, consumes it at once)."""
+        if not (self.uses_graphs(inputs[0]) if graphed is None else graphed):
             return fn(*inputs, *resident)
         if self._graph_key is None:  # reset wherever the buffers are replaced (initialization, growth, batch changes)
             self._graph_key = (id(self), graphs.addresses(*self.storage.buffers(), *self._constants(),

@@ -1,4 +1,4 @@
-"""CUDA graphs for the eager decode step of a static cache.
+"""CUDA graphs for the eager decode step of an OSCAR cache (static or dynamic).
 
 Without `torch.compile` a decode step is bound by host work (docs/research-log.md, "Eager decode and CUDA graphs"):
 each OSCAR layer makes several Triton launches from Python, and Triton binds and specializes every argument of every
