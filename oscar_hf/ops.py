@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -296,7 +297,10 @@ def decode_attention_reference(
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
     b = buffers
-    capacity = b.key_codes.shape[2]
+    # the rows both histories hold, in whole chunks of each (a growable cache rounds each stream's capacity to its
+    # own chunk, so keys and values may hold different numbers of rows; n_hist fits in both)
+    unit = math.lcm(fmt.keys.chunk, fmt.values.chunk)
+    capacity = min(b.key_codes.shape[2], b.value_codes.shape[2]) // unit * unit
     hist = [dequantize(Packed(codes[:, :, :capacity], None if meta is None else
                               meta[:, : capacity // stream.chunk] if stream.channelwise else meta[:, :, :capacity],
                               stream))

@@ -110,6 +110,7 @@ def test_the_bf16_emulating_twin_rounds_the_probabilities_only():
     dict(bits=16, chunk=0),                                               # a 16-bit history
     dict(n_hist=0, n_recent=7, ring_lo=0),                                # no history yet
     dict(mask=False),
+    dict(value_rows=171),  # a grown cache: each stream's rows rounded to its own chunk, fewer value rows than key rows
 ])
 def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(case):
     """Eager on the CPU, `decode_attention` reads the lengths on the host and attends to the stored tokens only:
@@ -117,7 +118,7 @@ def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(ca
     stored token (filled with large values here) are never read; the branch-free twin over the whole buffers gives
     the same output."""
     case = {"key_blocks": (32, 32, 32), "chunk": 64, "bits": 2, "groups": 1, "head_bits": None, "wide_channels": (),
-            "n_hist": 128, "n_recent": 20, "ring_lo": 10, "mask": True, **case}
+            "n_hist": 128, "n_recent": 20, "ring_lo": 10, "mask": True, "value_rows": None, **case}
     gen = torch.Generator().manual_seed(7)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     b, h, g, d, sink, ring, capacity = 2, 3, 4, 64, 4, 24, 192
@@ -128,7 +129,8 @@ def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(ca
                         wide_channels=case["wide_channels"], **common) if case["chunk"] else values
     raw = rnd(b, h, capacity, d) * rnd(1, 1, 1, d).exp() + 3 * rnd(1, 1, 1, d)
     raw[:, :, case["n_hist"]:] *= 1e4  # rows not in the history yet
-    hk, hv = quantize(raw.to(torch.bfloat16), keys), quantize(rnd(b, h, capacity, d).to(torch.bfloat16), values)
+    value_rows = case["value_rows"] or capacity
+    hk, hv = quantize(raw.to(torch.bfloat16), keys), quantize(rnd(b, h, value_rows, d).to(torch.bfloat16), values)
     sink_k, sink_v, ring_k, ring_v = (rnd(b, h, n, d).to(torch.bfloat16) for n in (sink, sink, ring, ring))
     stored = (case["ring_lo"] + torch.arange(case["n_recent"])) % ring
     unused = torch.ones(ring, dtype=torch.bool).index_fill(0, stored, False)
