@@ -148,6 +148,66 @@ def _planes(codes, ASM: tl.constexpr):
 
 
 @triton.jit
+def _wide_planes(codes, low, ASM: tl.constexpr):
+    """A wide head's four quarter planes (`_planes`) of its 4-bit codes, high plane `codes` and low plane `low`
+    combined before any dot: (c_p + l_p/4)·4^p, exact in fp16 (at most 15·4^(p-1), in steps of 4^(p-1)), so a wide
+    head's tile makes the same dots as a 2-bit head's (x̂ = h·S + m + l·S/4 = (h + l/4)·S + m, `oscar_hf.quant`,
+    "wide heads"). On the GPU per pair of codes: the two masks of `_planes`, then h − 1280 (exact) and one
+    fma(l + 1024, 1/4, h − 1280), which rounds once, to the exact value."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, u, x, y, m, c, q, h, l;
+            prmt.b32 t, $8, 0, 0x3120;
+            shr.b32 u, t, 8;
+            prmt.b32 x, $9, 0, 0x3120;
+            shr.b32 y, x, 8;
+            mov.b32 m, 0x64006400;
+            mov.b32 c, 0x65006500;
+            mov.b32 q, 0x34003400;
+            lop3.b32 h, t, 0x00030003, m, 0xEA;
+            lop3.b32 l, x, 0x00030003, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $0, l, q, h;
+            lop3.b32 h, u, 0x00030003, m, 0xEA;
+            lop3.b32 l, y, 0x00030003, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $1, l, q, h;
+            lop3.b32 h, t, 0x000c000c, m, 0xEA;
+            lop3.b32 l, x, 0x000c000c, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $2, l, q, h;
+            lop3.b32 h, u, 0x000c000c, m, 0xEA;
+            lop3.b32 l, y, 0x000c000c, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $3, l, q, h;
+            lop3.b32 h, t, 0x00300030, m, 0xEA;
+            lop3.b32 l, x, 0x00300030, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $4, l, q, h;
+            lop3.b32 h, u, 0x00300030, m, 0xEA;
+            lop3.b32 l, y, 0x00300030, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $5, l, q, h;
+            lop3.b32 h, t, 0x00c000c0, m, 0xEA;
+            lop3.b32 l, x, 0x00c000c0, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $6, l, q, h;
+            lop3.b32 h, u, 0x00c000c0, m, 0xEA;
+            lop3.b32 l, y, 0x00c000c0, m, 0xEA;
+            sub.f16x2 h, h, c;
+            fma.rn.f16x2 $7, l, q, h;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            args=[codes, low], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    c0, c1, c2, c3 = _planes(codes, ASM)
+    l0, l1, l2, l3 = _planes(low, ASM)
+    return c0 + l0 * 0.25, c1 + l1 * 0.25, c2 + l2 * 0.25, c3 + l3 * 0.25
+
+
+@triton.jit
 def _prefetch_l2(ptr, nbytes):
     """Asks the copy engine (one thread of the program) to bring `nbytes` from `ptr` into L2, and returns at once:
     `cp.async.bulk.prefetch.L2` (sm_90). A load that comes later then waits for L2, not for DRAM; this keeps bytes in
@@ -185,15 +245,19 @@ def _key_meta_row(base_mk, start, kinv, smk_c, smk_t, KEY_CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, start, n, split,
-                       KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, KEY_SPLIT: tl.constexpr):
+def _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, base_lk, base_lv,
+                       wide, start, n, split, KEY_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                       KEY_SPLIT: tl.constexpr):
     """L2 prefetch of tokens [start, start + n) (at most TILES tiles) of the history: key and value codes (uint8,
-    rows contiguous: the launcher checks), value meta (32-bit words, strides in words) as one range each, and the
-    key meta row of each tile (a head's rows are not contiguous across chunks: one row per tile; two, one per half,
-    for a head whose block is half the tile: `split`)."""
+    rows contiguous: the launcher checks) and, for a wide head (`wide`), its low-plane rows (`base_lk`, `base_lv`),
+    value meta (32-bit words, strides in words) as one range each, and the key meta row of each tile (a head's rows
+    are not contiguous across chunks: one row per tile; two, one per half, for a head whose block is half the tile:
+    `split`)."""
     HALF: tl.constexpr = BLOCK_N // 2
     _prefetch_l2(base_ck + start * sc_t, n * sc_t)
     _prefetch_l2(base_cv + start * scv_t, n * scv_t)
+    _prefetch_l2(base_lk + start * sc_t, tl.where(wide, n, 0) * sc_t)
+    _prefetch_l2(base_lv + start * scv_t, tl.where(wide, n, 0) * scv_t)
     _prefetch_l2(base_mv + start * sm_t, n * sm_t * 4)
     for i in tl.static_range(TILES):
         tile = start + i * BLOCK_N
@@ -319,22 +383,11 @@ def _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, 
 
 
 @triton.jit
-def _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """Scores [M, BLOCK_N] of one tile of channel-wise keys (`_channel_dots` on the tile's unpacked codes)."""
-    k0, k1, k2, k3 = _planes(ck, ASM)
-    return _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                         BLOCK_N, UPCAST)
-
-
-@triton.jit
-def _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                          ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                          ASM: tl.constexpr):
-    """`_channel_scores` for a tile over two key blocks: its first half under meta (ks, km), its second under
+def _channel_dots_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3,
+                        km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """`_channel_dots` for a tile over two key blocks: its first half under meta (ks, km), its second under
     (ls, lm). The codes are unpacked once; each half's scaled queries make their own dots over all the tile's planes
     (the MMA tile is the key tile either way), and each token keeps its half's scores."""
-    k0, k1, k2, k3 = _planes(ck, ASM)
     s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
                       BLOCK_N, UPCAST)
     t = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3,
@@ -344,32 +397,20 @@ def _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1,
 
 
 @triton.jit
-def _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                     ASM: tl.constexpr):
-    """`s` plus the scores of a wide head's low key plane `lk`: the block's channel-wise dots with a quarter of each
-    scale and no minimum (x̂ = h·S + m + l·S/4, `oscar_hf.quant`, "wide heads"; a wide head has no wide key
-    channels: each slot pairs with its own query)."""
-    z = ks0 * 0.0
-    return s + _channel_scores(q0, q1, q2, q3, q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z,
-                               ks3 * 0.25, z, BLOCK_N, UPCAST, ASM)
-
-
-@triton.jit
-def _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """`_wide_key_scores` for a tile over two key blocks (`_channel_scores_split`)."""
-    z = ks0 * 0.0
-    return s + _channel_scores_split(q0, q1, q2, q3, q0, q1, q2, q3, lk, ks0 * 0.25, z, ks1 * 0.25, z, ks2 * 0.25, z,
-                                     ks3 * 0.25, z, ls0 * 0.25, z, ls1 * 0.25, z, ls2 * 0.25, z, ls3 * 0.25, z,
-                                     BLOCK_N, UPCAST, ASM)
-
-
-@triton.jit
-def _wide_values(p, lv, vs, acc0, acc1, acc2, acc3, UPCAST: tl.constexpr, ASM: tl.constexpr):
-    """The accumulators plus a wide head's low value plane `lv` (one value group: a quarter of each token's scale,
-    no minimum)."""
-    l0, l1, l2, l3 = _planes(lv, ASM)
-    return _add_values_one_group(p, l0, l1, l2, l3, vs * 0.25, vs * 0.0, acc0, acc1, acc2, acc3, UPCAST)
+def _tile_planes(codes, low_base, idx, ok, s_t, s_d, wide_row, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """The quarter planes (`_planes`) of a tile's key or value codes [BLOCK_N, D/4]; a wide head's (`wide_row` >= 0,
+    runtime) combined with its low plane, loaded here from the head's low-plane row `low_base` (`_wide_planes`), so
+    that its tile makes the same dots as any other head's."""
+    if WIDE:
+        if wide_row >= 0:
+            dq = tl.arange(0, codes.shape[1])
+            low = tl.load(low_base + idx[:, None] * s_t + dq[None, :] * s_d, mask=ok[:, None], other=0)
+            c0, c1, c2, c3 = _wide_planes(codes, low, ASM)
+        else:
+            c0, c1, c2, c3 = _planes(codes, ASM)
+    else:
+        c0, c1, c2, c3 = _planes(codes, ASM)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -395,7 +436,7 @@ def _int2_range_words(
     reads the row of its second half, with the tile's other loads (masked off for other heads: the load waits on the
     same round trip), and computes its scores in a branch that other heads skip (`_channel_scores_split`). `WIDE`:
     the layer has wide heads; `wide_row` (runtime, per program): this head's low-plane codes row, or -1 (its low
-    key and value planes add their dots in a branch other heads skip). `qp0..qp3`: the query planes paired with the
+    key and value planes join the high ones before the dots: `_tile_planes`). `qp0..qp3`: the query planes paired with the
     key slots' codes (wide key channels, `_channel_plane`; the query planes themselves without)."""
     QD: tl.constexpr = D // 4
     HALF: tl.constexpr = BLOCK_N // 2
@@ -405,8 +446,9 @@ def _int2_range_words(
     base_cv = cv_ptr + b * scv_b + h * scv_h
     base_mk = mk_ptr + b * smk_b + koffset * smk_t
     base_mv = mv_ptr + b * sm_b + h * sm_h
-    base_lk = ck_ptr + b * sc_b + wide_row * sc_h  # read only for a wide head
-    base_lv = cv_ptr + b * scv_b + wide_row * scv_h
+    # a wide head's low-plane rows (read only for one; other heads' point at their own rows)
+    base_lk = ck_ptr + b * sc_b + tl.where(wide_row >= 0, wide_row, h) * sc_h
+    base_lv = cv_ptr + b * scv_b + tl.where(wide_row >= 0, wide_row, h) * scv_h
     acc1 = acc1 * 4.0
     acc2 = acc2 * 16.0
     acc3 = acc3 * 64.0
@@ -419,13 +461,15 @@ def _int2_range_words(
                 _key_meta_row(base_mk, lo + HALF, kinv, smk_c, smk_t, KEY_CHUNK), smk_g,
                 (lo + HALF + 0 * dq) < split_hi, QD)
     if L2_AHEAD > 0:  # the first L2_AHEAD tiles now, then one tile L2_AHEAD ahead per step
-        _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, lo,
-                           tl.minimum(hi - lo, L2_AHEAD * BLOCK_N), split, KEY_CHUNK, BLOCK_N, L2_AHEAD, KEY_SPLIT)
+        _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, base_lk,
+                           base_lv, wide_row >= 0, lo, tl.minimum(hi - lo, L2_AHEAD * BLOCK_N), split, KEY_CHUNK,
+                           BLOCK_N, L2_AHEAD, KEY_SPLIT)
     for start in range(lo, hi, BLOCK_N):
         if L2_AHEAD > 0:
             ahead = start + L2_AHEAD * BLOCK_N
-            _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, ahead,
-                               tl.minimum(hi - ahead, BLOCK_N), split, KEY_CHUNK, BLOCK_N, 1, KEY_SPLIT)
+            _prefetch_tiles_l2(base_ck, sc_t, base_cv, scv_t, base_mk, smk_c, smk_t, kinv, base_mv, sm_t, base_lk,
+                               base_lv, wide_row >= 0, ahead, tl.minimum(hi - ahead, BLOCK_N), split, KEY_CHUNK,
+                               BLOCK_N, 1, KEY_SPLIT)
         if REGISTER_PREFETCH:
             n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3 = _tile_loads(
                 base_ck, sc_t, sc_d, base_cv, scv_t, scv_d, base_mk, smk_c, smk_t, smk_g, kinv, base_mv, sm_t,
@@ -444,35 +488,21 @@ def _int2_range_words(
                     (start + HALF + 0 * dq) < split_hi, QD)
         idx = start + tl.arange(0, BLOCK_N)
         ok = idx < hi
+        k0, k1, k2, k3 = _tile_planes(ck, base_lk, idx, ok, sc_t, sc_d, wide_row, WIDE, ASM)
         if KEY_SPLIT:
             if split:
-                s = _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
-                                          km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+                s = _channel_dots_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2,
+                                        km2, ks3, km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST)
             else:
-                s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                                    BLOCK_N, UPCAST, ASM)
+                s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2,
+                                  ks3, km3, BLOCK_N, UPCAST)
         else:
-            s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                                BLOCK_N, UPCAST, ASM)
-        if WIDE:
-            if wide_row >= 0:
-                lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-                if KEY_SPLIT:
-                    if split:
-                        s = _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3,
-                                                   BLOCK_N, UPCAST, ASM)
-                    else:
-                        s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
-                else:
-                    s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
+            s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2, ks3,
+                              km3, BLOCK_N, UPCAST)
         valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s, valid, m_i, l_i, acc0, acc1, acc2, acc3)
-        v0, v1, v2, v3 = _planes(cv, ASM)
+        v0, v1, v2, v3 = _tile_planes(cv, base_lv, idx, ok, scv_t, scv_d, wide_row, WIDE, ASM)
         acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs, vm, acc0, acc1, acc2, acc3, UPCAST)
-        if WIDE:
-            if wide_row >= 0:
-                lv = tl.load(base_lv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
-                acc0, acc1, acc2, acc3 = _wide_values(p, lv, vs, acc0, acc1, acc2, acc3, UPCAST, ASM)
         if REGISTER_PREFETCH:
             ck, cv, vs, vm, ks0, km0, ks1, km1, ks2, km2, ks3, km3 = (
                 n_ck, n_cv, n_vs, n_vm, n_ks0, n_km0, n_ks1, n_km1, n_ks2, n_km2, n_ks3, n_km3)
@@ -533,31 +563,20 @@ def _int2_range(
             # 146 us at 100K, batch 1: the launcher splits only the smallest blocks' heads, when blocks mix.)
             ks0, km0, ks1, km1, ks2, km2, ks3, km3 = _channel_key_meta(
                 _key_meta_row(base_mk, start, kinv, smk_h, smk_t, KEY_CHUNK), smk_g, smk_2, start < hi, QD)
+            k0, k1, k2, k3 = _tile_planes(ck, base_lk, idx, ok, sc_t, sc_d, wide_row, WIDE, ASM)
             if KEY_SPLIT:  # the second half's row loads with the first (nothing loaded for other heads)
                 ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3 = _channel_key_meta(
                     _key_meta_row(base_mk, start + HALF, kinv, smk_h, smk_t, KEY_CHUNK), smk_g, smk_2,
                     start + HALF < split_hi, QD)
                 if split:
-                    s = _channel_scores_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2,
-                                              ks3, km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST, ASM)
+                    s = _channel_dots_split(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1,
+                                            ks2, km2, ks3, km3, ls0, lm0, ls1, lm1, ls2, lm2, ls3, lm3, BLOCK_N, UPCAST)
                 else:
-                    s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3,
-                                        km3, BLOCK_N, UPCAST, ASM)
-                if WIDE:
-                    if wide_row >= 0:
-                        lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-                        if split:
-                            s = _wide_key_scores_split(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, ls0, ls1, ls2, ls3,
-                                                       BLOCK_N, UPCAST, ASM)
-                        else:
-                            s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
+                    s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2,
+                                      ks3, km3, BLOCK_N, UPCAST)
             else:
-                s = _channel_scores(q0, q1, q2, q3, qp0, qp1, qp2, qp3, ck, ks0, km0, ks1, km1, ks2, km2, ks3, km3,
-                                    BLOCK_N, UPCAST, ASM)
-                if WIDE:
-                    if wide_row >= 0:
-                        lk = tl.load(base_lk + idx[:, None] * sc_t + dq[None, :] * sc_d, mask=ok[:, None], other=0)
-                        s = _wide_key_scores(s, lk, q0, q1, q2, q3, ks0, ks1, ks2, ks3, BLOCK_N, UPCAST, ASM)
+                s = _channel_dots(q0, q1, q2, q3, qp0, qp1, qp2, qp3, k0, k1, k2, k3, ks0, km0, ks1, km1, ks2, km2,
+                                  ks3, km3, BLOCK_N, UPCAST)
         else:
             k0, k1, k2, k3 = _planes(ck, ASM)
             mrow = base_mk + idx * smk_t
@@ -576,15 +595,11 @@ def _int2_range(
         valid = _valid_keys(ok, pos_offset + idx, qpos, b, mask_ptr, smask_b, smask_n, HAS_MASK)
         p, alpha, m_i, l_i, acc0, acc1, acc2, acc3 = _online_update(s * scale, valid, m_i, l_i, acc0, acc1, acc2, acc3)
         cv = tl.load(base_cv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
-        v0, v1, v2, v3 = _planes(cv, ASM)
+        v0, v1, v2, v3 = _tile_planes(cv, base_lv, idx, ok, scv_t, scv_d, wide_row, WIDE, ASM)
         vrow = base_mv + idx * sm_t
         vs0, vm0 = _scale_min(vrow, 0, sm_2, ok)
         if GROUPS == 1:
             acc0, acc1, acc2, acc3 = _add_values_one_group(p, v0, v1, v2, v3, vs0, vm0, acc0, acc1, acc2, acc3, UPCAST)
-            if WIDE:
-                if wide_row >= 0:
-                    lv = tl.load(base_lv + idx[:, None] * scv_t + dq[None, :] * scv_d, mask=ok[:, None], other=0)
-                    acc0, acc1, acc2, acc3 = _wide_values(p, lv, vs0, acc0, acc1, acc2, acc3, UPCAST, ASM)
         else:
             vs1, vm1 = _scale_min(vrow, G1 * sm_g, sm_2, ok)
             vs2, vm2 = _scale_min(vrow, G2 * sm_g, sm_2, ok)
@@ -728,7 +743,7 @@ def _segment_attention_kernel(
     elif split < recent_split + recent_splits:
         # recent tokens [a, a + recent_chunk) of this split: ring slots ring_lo + a... modulo ring_size, at most two
         # contiguous pieces (one without a ring). Split like the history so that a short history does not leave the
-        # whole BF16 window to one program (the step's longest at 4K tokens: H200, eval/KERNEL_NOTES.md).
+        # whole BF16 window to one program (the step's longest at 4K tokens: H200, docs/research-log.md, "Decode kernel").
         a = (split - recent_split) * recent_chunk
         end = tl.minimum(a + recent_chunk, n_recent)
         offset = n_sink + n_hist - ring_lo
@@ -796,11 +811,14 @@ def _merge_kernel(
 
 
 # ------------------------------------------------------------------------------------------------- launcher
-def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block_n: int, target_programs: int):
-    """History and extra-segment split sizes so that stage 1 has about `target_programs` programs."""
+def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block_n: int, target_programs: int,
+                min_tiles: int = 1):
+    """History and extra-segment split sizes so that stage 1 has about `target_programs` programs, each history
+    split at least `min_tiles` key tiles long (a program's fixed work, its query set-up and partial output, is
+    then spread over several tiles)."""
     per_split = batch_heads * m_tiles
     want = max(1, math.ceil(target_programs / per_split))
-    hist_splits = max(1, min(want, math.ceil(n_hist / block_n))) if n_hist > 0 else 1
+    hist_splits = max(1, min(want, math.ceil(n_hist / (block_n * max(min_tiles, 1))))) if n_hist > 0 else 1
     hist_chunk = max(block_n, math.ceil(math.ceil(n_hist / hist_splits) / block_n) * block_n)
     hist_splits = max(1, math.ceil(n_hist / hist_chunk)) if n_hist > 0 else 1
     extra_splits = max(1, min(want, math.ceil(n_extra / block_n))) if n_extra > 0 else 0
@@ -818,15 +836,17 @@ def recent_split_plan(n_recent: int, hist_chunk: int, block_n: int) -> tuple[int
 
 _SMS: dict = {}
 _BULK_PREFETCH: dict = {}
-# Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, eval/KERNEL_NOTES.md);
+# Launch parameters that measured best on an H200 (eval/bench_gpu.py's tune section, docs/research-log.md, "Decode kernel");
 # `ptx_unpack`: codes unpacked by inline PTX (`_planes`; never in the interpreter, which cannot run PTX).
 # Decode tiles of the default layout (channel-wise keys, one value group): v6's sweep (results/gpu/bench_gpu.json,
 # 30 launches x 3 points) found 4 warps, 12 programs per SM, loads left in the loop with the tiles 2 steps ahead
 # asked for in L2 (`l2_ahead`), inline-PTX unpacking best: 78.8 / 185.0 / 2855 us at (B=1, 100K) / (8, 32K) /
 # (32, 128K) against v5's loop at 120.2 / 293.4 / 4693 with the same launch. Token-wise keys and multi-token chunks
-# keep v4's plain loop with 4 warps.
+# keep v4's plain loop with 4 warps. `min_split_tiles`: the fewest key tiles per history split; 1 (splits sized by
+# programs per SM alone) stays: at 8, batch 1 measured 52.4 against 58.2 us at 32K but 22.0 against 14.0 us at 4K, and
+# 79.1 against 83.2 tokens/s through generate at 4K (H100, results/gpu/decode_split_min_tiles_h100.log).
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
+                      min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -950,7 +970,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     else:  # planned for the whole capacity: the same grid every step
         n_sink = n_hist = n_recent = n_extra = query_start = 0
         plan_hist, plan_recent, ring_size = hist_codes_k.shape[2], recent_k.shape[2], recent_k.shape[2]
-    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target)
+    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target,
+                                                                     DEFAULT_LAUNCH["min_split_tiles"])
     recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)
     n_splits = 1 + hist_splits + recent_splits + extra_splits
     partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)

@@ -2,7 +2,7 @@
 sink or ring slot, in one launch.
 
 The torch twin (`oscar_hf.ops.rotate_store_token_reference`) takes two GEMVs and four scatters; in a compiled decode
-step each is a launch, and at 4K tokens launches, not bytes, are what the step is short of (eval/KERNEL_NOTES.md).
+step each is a launch, and at 4K tokens launches, not bytes, are what the step is short of (docs/research-log.md, "Decode kernel").
 One program per (batch·KV head, key or value, tile of BLOCK_E output columns): a 1×d row times d×BLOCK_E of R_h,
 summed in float32 and rounded to the storage dtype once, like the twin's matmul. The position is read on the device
 (the plan's `start`): a token at position p < S goes to sink slot p, any other to ring slot (p − S) mod R. Unlike
