@@ -640,7 +640,7 @@ def section_check(device):
     for name in ("static-eager", "dynamic"):  # the dynamic cache's mask grows by a key per step (padded generate)
         same = bool((outs[name] == outs[f"{name}-no-graphs"]).all())
         diff = (steps[name] - steps[f"{name}-no-graphs"]).abs().max().item()
-        replays = dict(used[name].graphs.stats)  # direct: inputs read where they lie; copied: copied in first
+        replays = dict(used[name].graphs.stats)  # captures and replays (graphs.DecodeGraphs)
         rows.append(dict(check=f"{name} CUDA graphs vs launches", generate_tokens_equal=same,
                          teacher_forced_max_abs_logit_diff=diff, graph_replays=replays, ok=same and diff == 0.0))
         log(f"check {name} graphs vs launches (padded generate): generate tokens all equal {same}, teacher-forced max "

@@ -7,12 +7,10 @@ buffers and device-side lengths only, so it can be captured once as one CUDA gra
 
 A graph is keyed by what it captured: the inputs' shapes, dtypes and strides, the non-tensor arguments, and the
 addresses of the buffers it reads and writes (a layer whose buffers were replaced, e.g. by a batch change, captures
-anew). Under that key a graph reads its inputs in one of two ways:
-
-- direct: where the inputs lay when it was captured. An eager step allocates the same tensors in the same order
-  every step, so the caching allocator mostly hands the model's q/k/v the same addresses again; a call whose inputs
-  are at a captured graph's addresses replays it with no copy. Up to `DIRECT` address sets are captured per key.
-- copied: from its own static copies, which a call fills first (one `_foreach_copy_`): for every other call.
+anew). It reads its inputs from its own static copies, which a call fills first (one `_foreach_copy_`). (Graphs
+that read the inputs where they lay at capture, for calls whose q/k/v come back at those addresses, were dropped:
+through `generate` no call ever did, and each cost a capture per layer; docs/research-log.md, "Eager decode and
+CUDA graphs".)
 
 `OSCAR_HF_EAGER_GRAPHS=0` turns this off; it is off on the CPU, under dynamo (a compiled step is graphed as a whole)
 and while someone else is capturing.
@@ -26,8 +24,6 @@ from typing import Callable
 
 import torch
 
-DIRECT = 2  # input address sets captured as direct graphs per key, before calls fall back to copying their inputs
-
 
 def enabled(x: torch.Tensor, kernels: bool) -> bool:
     """Whether an eager call on `x`'s device replays captured graphs (`kernels`: the layer runs the Triton kernels)."""
@@ -38,11 +34,8 @@ def enabled(x: torch.Tensor, kernels: bool) -> bool:
 class GraphedCall:
     """`fn(*inputs, *resident)` captured as a CUDA graph; a call replays it and returns the graph's own output.
 
-    copied=True: the graph reads static copies of `inputs`, which each call fills from its arguments. copied=False:
-    it reads the memory `inputs` occupy now, and may be called only with arguments at those very addresses (and
-    layouts): `DecodeGraphs.run` checks that. No reference to them is kept, so the allocator may hand that memory
-    to the next step's inputs. `resident` tensors are read where they lie, always: buffers whose address is part of
-    the graph's key.
+    The graph reads static copies of `inputs`, which each call fills from its arguments (same layouts).
+    `resident` tensors are read where they lie: buffers whose address is part of the graph's key.
 
     `fn` must give the same result when run twice on equal inputs (it runs once as the warm-up on a side stream,
     which also compiles and loads its kernels, and then once per replay) and must read everything else from
@@ -50,8 +43,8 @@ class GraphedCall:
     """
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], resident: tuple[torch.Tensor, ...], pool,
-                 stream, copied: bool):
-        captured = [x.clone() for x in inputs] if copied else list(inputs)
+                 stream):
+        captured = [x.clone() for x in inputs]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn(*captured, *resident)
@@ -64,11 +57,10 @@ class GraphedCall:
             finally:
                 self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
-        self.inputs = captured if copied else None
+        self.inputs = captured
 
     def __call__(self, *inputs: torch.Tensor):
-        if self.inputs is not None:
-            torch._foreach_copy_(self.inputs, list(inputs))  # one launch where the inputs share a dtype
+        torch._foreach_copy_(self.inputs, list(inputs))  # one launch where the inputs share a dtype
         self.graph.replay()
         return self.output
 
@@ -77,10 +69,10 @@ class DecodeGraphs:
     """The captured decode graphs of one cache, sharing one memory pool (they replay one after another), and the
     key mask they read in place.
 
-    `stats` counts replays by kind ("direct", "copied") and "captures", for benchmarks."""
+    `stats` counts "replays" and "captures", for benchmarks."""
 
     def __init__(self):
-        self.calls: dict[tuple, dict] = {}  # key -> {input addresses: direct GraphedCall, None: the copied one}
+        self.calls: dict[tuple, GraphedCall] = {}
         self.pool = None
         self.stream = None  # every capture and its warm-up run on this side stream, into `pool`
         self.stats: Counter = Counter()
@@ -90,19 +82,14 @@ class DecodeGraphs:
     def run(self, key: tuple, fn: Callable, *inputs: torch.Tensor, resident: tuple[torch.Tensor, ...] = ()):
         """`fn(*inputs, *resident)` by replaying a graph captured under `key` and the layouts and addresses of
         `resident` (captured now if none fits)."""
-        graphs = self.calls.setdefault((key, signature(*resident), addresses(*resident)), {})
-        where = addresses(*inputs)
-        call = graphs.get(where)
+        full = (key, signature(*resident), addresses(*resident))
+        call = self.calls.get(full)
         if call is None:
-            direct = len(graphs) - (None in graphs) < DIRECT
-            where = where if direct else None
-            call = graphs.get(where)
-            if call is None:
-                if self.stream is None:
-                    self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-                call = graphs[where] = GraphedCall(fn, inputs, resident, self.pool, self.stream, copied=not direct)
-                self.stats["captures"] += 1
-        self.stats["copied" if where is None else "direct"] += 1
+            if self.stream is None:
+                self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            call = self.calls[full] = GraphedCall(fn, inputs, resident, self.pool, self.stream)
+            self.stats["captures"] += 1
+        self.stats["replays"] += 1
         return call(*inputs)
 
     def key_mask(self, attention_mask: torch.Tensor, row: Callable[[], torch.Tensor]) -> torch.Tensor:

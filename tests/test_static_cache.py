@@ -309,38 +309,38 @@ def test_eager_decode_graphs_are_keyed_by_layout_and_buffer_addresses(monkeypatc
     assert not mask[1, :4].any() and mask[1, 4:35].all() and mask[0, :35].all()
 
 
-def test_decode_graphs_replay_direct_at_captured_addresses_and_copy_otherwise(monkeypatch):
-    """The policy of `DecodeGraphs.run` (the capture needs CUDA; its results are checked on the H200): inputs at a
-    captured graph's addresses replay it as it is; up to DIRECT address sets are captured per key; any other call
-    copies its inputs into one shared copied graph; a new key starts afresh."""
+def test_decode_graphs_capture_once_per_key_and_copy_the_inputs(monkeypatch):
+    """The policy of `DecodeGraphs.run` (the capture needs CUDA; its results are checked on the GPU): one graph per
+    key and resident set, whatever addresses the inputs come at (each call copies them in); a new key, or resident
+    buffers at other addresses, capture anew."""
     from oscar_hf import graphs
 
     made = []
 
     class FakeCall:
-        def __init__(self, fn, inputs, resident, pool, stream, copied):
-            self.copied, self.where = copied, graphs.addresses(*inputs)
+        def __init__(self, fn, inputs, resident, pool, stream):
+            self.inputs, self.resident, self.calls = [x.clone() for x in inputs], resident, 0
             made.append(self)
 
         def __call__(self, *inputs):
-            if not self.copied:  # a direct graph must only ever see the inputs it captured
-                assert graphs.addresses(*inputs) == self.where
+            self.calls += 1
+            for mine, x in zip(self.inputs, inputs):
+                mine.copy_(x)
             return self
 
     monkeypatch.setattr(graphs, "GraphedCall", FakeCall)
     monkeypatch.setattr(graphs.torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda: "capture stream")
     g = graphs.DecodeGraphs()
-    xs = [torch.zeros(4) for _ in range(graphs.DIRECT + 2)]
-    first = g.run("k", None, xs[0])
-    assert g.run("k", None, xs[0]) is first and not first.copied
-    direct = [g.run("k", None, x) for x in xs[1 : graphs.DIRECT]]
-    assert all(not c.copied for c in direct) and len(made) == graphs.DIRECT
-    copied = g.run("k", None, xs[graphs.DIRECT])
-    assert copied.copied and g.run("k", None, xs[graphs.DIRECT + 1]) is copied
-    assert g.run("k", None, xs[0]) is first  # a captured address set still replays directly
-    assert g.run("other", None, xs[graphs.DIRECT]) is not copied and not made[-1].copied
-    assert g.stats == {"captures": graphs.DIRECT + 2, "direct": graphs.DIRECT + 3, "copied": 2}
+    xs = [torch.full((4,), float(i)) for i in range(3)]
+    buffer, other_buffer = torch.zeros(2), torch.zeros(2)
+    first = g.run("k", None, xs[0], resident=(buffer,))
+    assert all(g.run("k", None, x, resident=(buffer,)) is first for x in xs)  # inputs anywhere: copied in
+    assert first.calls == 4 and torch.equal(first.inputs[0], xs[2])
+    assert g.run("other", None, xs[0], resident=(buffer,)) is not first
+    assert g.run("k", None, xs[0], resident=(other_buffer,)) is not first  # the buffers moved: a new graph
+    assert len(made) == 3 and g.stats == {"captures": 3, "replays": 6}
+
 
 
 def test_decode_graphs_key_mask_is_copied_once_per_mask_and_grows_by_doubling():
@@ -372,19 +372,18 @@ def test_decode_graphs_key_mask_is_copied_once_per_mask_and_grows_by_doubling():
 
 class _EmulatedGraph:
     """`graphs.GraphedCall` emulated on the CPU, as a CUDA graph behaves: the warm-up runs `fn` once; a replay runs it
-    again on what the graph reads (its own copies of the inputs, refilled by each call, or, direct, the memory the
-    inputs occupy, and the resident tensors in place) into one output buffer that the next replay overwrites."""
+    again on what the graph reads (its own copies of the inputs, refilled by each call, and the resident tensors in
+    place) into one output buffer that the next replay overwrites."""
 
-    def __init__(self, fn, inputs, resident, pool, stream, copied):
+    def __init__(self, fn, inputs, resident, pool, stream):
         self.fn, self.resident = fn, resident
-        self.inputs = [x.clone() for x in inputs] if copied else None
-        fn(*(self.inputs if copied else inputs), *resident)
+        self.inputs = [x.clone() for x in inputs]
+        fn(*self.inputs, *resident)
         self.output = None
 
     def __call__(self, *inputs):
-        if self.inputs is not None:
-            torch._foreach_copy_(self.inputs, list(inputs))
-        out = self.fn(*(self.inputs if self.inputs is not None else inputs), *self.resident)
+        torch._foreach_copy_(self.inputs, list(inputs))
+        out = self.fn(*self.inputs, *self.resident)
         if self.output is None:
             self.output = torch.empty_like(out)
         return self.output.copy_(out)
