@@ -4,7 +4,9 @@
 
 Sections (results go to DIR/bench_gpu.json after each section, a summary table is printed at the end):
   check   kernels vs their torch twins at realistic shapes (head_dim 64/128, GQA 4/8, up to 128K tokens, batch 1-32),
-          fresh random inputs, outputs poisoned, tolerance scaled by the bf16 reference's own error
+          fresh random inputs, outputs poisoned, tolerance scaled by the bf16 reference's own error; then a random
+          Qwen3-shaped model through OscarCache with the kernels vs the twins, five layouts (over 200 s on an H100:
+          `model-check` runs that part alone, so a call can give each part its own time limit)
   tune    a small sweep of the decode kernel's launch parameters; the best is used below
   micro   decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128) at 4K-128K tokens,
           batch 1/8/32: time, bytes it must read, achieved bandwidth vs the measured copy bandwidth, vs BF16 sdpa
