@@ -419,7 +419,7 @@ def section_kernels(device, arch, point, methods, new_tokens, out, runtime=False
         calls = (new_tokens + 1, new_tokens // 2 + 1)
         steps = calls[0] - calls[1]
         # Both calls run twice unprofiled first: an eager first step captures CUDA graphs for input addresses it has
-        # not seen (`oscar_hf.graphs`, up to DIRECT sets per layer), and a capture inside one profiled call only
+        # not seen (`oscar_hf.graphs`: a new cache, or buffers that moved), and a capture inside one profiled call only
         # would not cancel (it showed as an extra pass of attention kernels and milliseconds of idle per layer).
         for n in calls * 2:
             cache = reusable(m, model, batch, length + new_tokens + 8, cache)

@@ -101,6 +101,34 @@ def _bf16_range(
     return m_i, l_i, acc0, acc1, acc2, acc3
 
 
+# The PTX of `_planes` and `_wide_planes`, for 4 packed bytes in $8 (and a wide head's low-plane bytes in $9): a
+# `prmt` orders the bytes [b0, b2, b1, b3] into t, so that t's 16-bit halves hold bytes 0 and 1 and u = t >> 8's
+# hold bytes 2 and 3; output $i is the f16x2 pair of plane i // 2 from t (i even) or u (i odd), masked in place.
+_PAIRS = [(src, 0x00030003 << (2 * plane)) for plane in range(4) for src in ("t", "u")]
+
+
+def _planes_asm() -> str:
+    lines = ["{", ".reg .b32 t, u, m;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;", "mov.b32 m, 0x64006400;"]
+    lines += [f"lop3.b32 ${i}, {src}, {mask:#010x}, m, 0xEA;" for i, (src, mask) in enumerate(_PAIRS)]
+    lines += [f"sub.f16x2 ${i}, ${i}, m;" for i in range(len(_PAIRS))]
+    return "\n".join(lines + ["}"])
+
+
+def _wide_planes_asm() -> str:
+    lines = ["{", ".reg .b32 t, u, x, y, m, c, q, h, l;", "prmt.b32 t, $8, 0, 0x3120;", "shr.b32 u, t, 8;",
+             "prmt.b32 x, $9, 0, 0x3120;", "shr.b32 y, x, 8;", "mov.b32 m, 0x64006400;",
+             "mov.b32 c, 0x65006500;", "mov.b32 q, 0x34003400;"]  # 1024, 1280 and 1/4 as f16x2
+    low = {"t": "x", "u": "y"}  # the low plane's bytes in the same order
+    for i, (src, mask) in enumerate(_PAIRS):
+        lines += [f"lop3.b32 h, {src}, {mask:#010x}, m, 0xEA;", f"lop3.b32 l, {low[src]}, {mask:#010x}, m, 0xEA;",
+                  "sub.f16x2 h, h, c;", f"fma.rn.f16x2 ${i}, l, q, h;"]
+    return "\n".join(lines + ["}"])
+
+
+_PLANES_ASM = tl.constexpr(_planes_asm())
+_WIDE_PLANES_ASM = tl.constexpr(_wide_planes_asm())
+
+
 @triton.jit
 def _planes(codes, ASM: tl.constexpr):
     """The four quarter planes of packed 2-bit codes as exact fp16 numbers, plane p scaled by 4^p: c_p·4^p.
@@ -114,30 +142,7 @@ def _planes(codes, ASM: tl.constexpr):
     The interpreter (CPU tests) runs the same arithmetic in plain Triton."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, u, m;
-            prmt.b32 t, $8, 0, 0x3120;
-            shr.b32 u, t, 8;
-            mov.b32 m, 0x64006400;
-            lop3.b32 $0, t, 0x00030003, m, 0xEA;
-            lop3.b32 $1, u, 0x00030003, m, 0xEA;
-            lop3.b32 $2, t, 0x000c000c, m, 0xEA;
-            lop3.b32 $3, u, 0x000c000c, m, 0xEA;
-            lop3.b32 $4, t, 0x00300030, m, 0xEA;
-            lop3.b32 $5, u, 0x00300030, m, 0xEA;
-            lop3.b32 $6, t, 0x00c000c0, m, 0xEA;
-            lop3.b32 $7, u, 0x00c000c0, m, 0xEA;
-            sub.f16x2 $0, $0, m;
-            sub.f16x2 $1, $1, m;
-            sub.f16x2 $2, $2, m;
-            sub.f16x2 $3, $3, m;
-            sub.f16x2 $4, $4, m;
-            sub.f16x2 $5, $5, m;
-            sub.f16x2 $6, $6, m;
-            sub.f16x2 $7, $7, m;
-            }
-            """,
+            asm=_PLANES_ASM,
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
             args=[codes], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     c0 = ((codes & 0x03).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
@@ -156,50 +161,7 @@ def _wide_planes(codes, low, ASM: tl.constexpr):
     fma(l + 1024, 1/4, h − 1280), which rounds once, to the exact value."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, u, x, y, m, c, q, h, l;
-            prmt.b32 t, $8, 0, 0x3120;
-            shr.b32 u, t, 8;
-            prmt.b32 x, $9, 0, 0x3120;
-            shr.b32 y, x, 8;
-            mov.b32 m, 0x64006400;
-            mov.b32 c, 0x65006500;
-            mov.b32 q, 0x34003400;
-            lop3.b32 h, t, 0x00030003, m, 0xEA;
-            lop3.b32 l, x, 0x00030003, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $0, l, q, h;
-            lop3.b32 h, u, 0x00030003, m, 0xEA;
-            lop3.b32 l, y, 0x00030003, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $1, l, q, h;
-            lop3.b32 h, t, 0x000c000c, m, 0xEA;
-            lop3.b32 l, x, 0x000c000c, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $2, l, q, h;
-            lop3.b32 h, u, 0x000c000c, m, 0xEA;
-            lop3.b32 l, y, 0x000c000c, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $3, l, q, h;
-            lop3.b32 h, t, 0x00300030, m, 0xEA;
-            lop3.b32 l, x, 0x00300030, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $4, l, q, h;
-            lop3.b32 h, u, 0x00300030, m, 0xEA;
-            lop3.b32 l, y, 0x00300030, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $5, l, q, h;
-            lop3.b32 h, t, 0x00c000c0, m, 0xEA;
-            lop3.b32 l, x, 0x00c000c0, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $6, l, q, h;
-            lop3.b32 h, u, 0x00c000c0, m, 0xEA;
-            lop3.b32 l, y, 0x00c000c0, m, 0xEA;
-            sub.f16x2 h, h, c;
-            fma.rn.f16x2 $7, l, q, h;
-            }
-            """,
+            asm=_WIDE_PLANES_ASM,
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
             args=[codes, low], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     c0, c1, c2, c3 = _planes(codes, ASM)
