@@ -117,32 +117,6 @@ class PositionPlan:
                     self.host_length = self.host_start
                     raise ValueError(f"the cache holds max_cache_len={self.max_length} tokens; this pass would "
                                      f"store {self.host_start + tokens}: create it with a larger max_cache_len")
-        if self.host_start is not None and not _capturing(self.length):
-            self._load_from_host(self.host_start, tokens)
-        else:
-            self._advance_on_device(tokens)
-
-    def _load_from_host(self, start: int, tokens: int) -> None:
-        """The device tensors of a pass whose start the host knows (an eager pass), computed on the host and copied
-        in one transfer: a handful of launches where the device arithmetic takes about thirty."""
-        s, w, b = self.sink, self.window, self.block
-        length = start + tokens
-        n_sink, n_hist, n_recent = self.counts(length)
-        values = [length, start, n_sink, n_hist, n_recent, n_hist % self.ring, start]
-        if tokens == 1:
-            excess = length - s - w
-            k = excess // b - 1
-            values += [start - s if start >= s else -1, k * b if k >= 0 and excess % b == 0 else -1]
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.length.is_cuda)
-        state = host.to(self.length.device, non_blocking=True)  # the pinned block is kept until the copy is done
-        self.length.copy_(state[0])
-        self.start.copy_(state[1])
-        self.lengths.copy_(state[2:7])
-        if tokens == 1:
-            self.write_rows.copy_(state[7:9])
-
-    def _advance_on_device(self, tokens: int) -> None:
-        """`advance`'s device tensors from the device's own L (what a compiled step, or a CUDA graph, replays)."""
         self.start.copy_(self.length)
         self.length.add_(tokens)
         if self.max_length is not None:
@@ -169,8 +143,3 @@ class PositionPlan:
         self.length.fill_(length)
         self.start.fill_(length)
         self.host_length, self.host_start = length, None
-
-
-def _capturing(x: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (a host-to-device copy would be baked into it)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()

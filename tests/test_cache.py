@@ -244,24 +244,6 @@ def test_memory_at_128k_matches_the_accounting(layout):
     assert used_bits <= 8 * m["allocated"] / m["elements"] <= used_bits + bound
 
 
-
-def test_an_eager_pass_loads_the_plan_the_device_arithmetic_computes():
-    """An eager pass (the host knows L) writes the plan's device tensors from the host in one copy; a compiled step
-    computes them on the device. Both give the same tensors through prefill, sink and window tokens, key blocks
-    completing, a chunk onto a filled cache and a reset."""
-    host, device = PositionPlan(4, 8, 4, 200), PositionPlan(4, 8, 4, 200)
-    passes = [1, 1, 1, 1, 1] + [1] * 20 + [30] + [1] * 9 + [3, 1]
-    for i, tokens in enumerate(passes):
-        if i == len(passes) - 2:
-            host.set_length(0)
-            device.set_length(0)
-        host.advance(tokens)
-        device._advance_on_device(tokens)
-        for got, want in zip(host.tensors(), device.tensors()):
-            assert got.dtype == want.dtype and torch.equal(got, want), (i, tokens, host.tensors(), device.tensors())
-    with pytest.raises(ValueError, match="max_cache_len=200"):
-        host.advance(200)
-
 def test_bits_16_keeps_a_dense_history():
     config = OscarConfig(bits=16, sink_tokens=4, window_tokens=8, demotion_block=4, key_block=4, key_clip="none",
                          value_clip="none")
