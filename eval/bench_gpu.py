@@ -546,10 +546,10 @@ def section_tune(device, quick):
     points = [(1, 100_000), (8, 32_768), (32, 131_072)] if not quick else [(1, 4096)]
     # The default storage format (format 6, "channels"). v6's sweep settled the unpacking (inline PTX) and how bytes
     # stay in flight (tiles asked for in L2 two steps ahead); this one sweeps warps and programs per SM around them.
-    # `maxnreg` 128 gives 4 programs of 4 warps per SM where the compiler's 168 registers give 3 (ptxas: 60 bytes of
-    # spill stores, none in the loop).
+    # `maxnreg`: None is the default cap (`decode_maxnreg`, 168 registers: 3 programs of 4 warps per SM), 128 gives 4
+    # (with spills), 255 leaves the compiler's own 192 (2 programs).
     grid = [dict(num_warps=nw, programs_per_sm=tp, prefetch=False, l2_ahead=2, ptx_unpack=True, maxnreg=reg)
-            for nw in (2, 4) for tp in (4, 8, 12, 16, 24) for reg in (None, 128)]
+            for nw in (2, 4) for tp in (4, 8, 12, 16, 24) for reg in (None, 128, 255)]
     if quick:
         grid = grid[:3]
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

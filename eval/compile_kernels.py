@@ -119,7 +119,7 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
             sig[name] = kind
             if spec == "D":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: kw[k] for k in ("num_warps", "num_stages")}
+    options = {k: kw[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     k = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

@@ -807,8 +807,13 @@ _BULK_PREFETCH: dict = {}
 # keep v4's plain loop with 4 warps. `min_split_tiles`: the fewest key tiles per history split; 1 (splits sized by
 # programs per SM alone) stays: at 8, batch 1 measured 52.4 against 58.2 us at 32K but 22.0 against 14.0 us at 4K, and
 # 79.1 against 83.2 tokens/s through generate at 4K (H100, results/gpu/decode_split_min_tiles_h100.log).
+# `decode_maxnreg`: a register cap (ptxas `.maxnreg`) for the decode tile of the default layout at head_dim 128, where
+# the compiler takes 192 registers per thread, so 2 programs of 4 warps fit on an SM; at 168 (no spills, 1% more
+# instructions per tile: eval/compile_kernels.py --sass) 3 fit, and their loads overlap (results/gpu/
+# decode_register_cap_h100.log). `maxnreg`, when set, caps every launch instead.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None)
+                      min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
+                      decode_maxnreg=168)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -827,6 +832,15 @@ def key_tile(block_n: int, key_blocks, split_tile_max: int | None = None) -> tup
             and all(bk == smallest or bk % (2 * smallest) == 0 for bk in key_blocks):
         return 2 * smallest, True
     return min(block_n, smallest), False
+
+
+def register_cap(meta_words: bool, head_dim: int) -> int | None:
+    """The launch's ptxas register cap: `DEFAULT_LAUNCH['maxnreg']` when set, else `decode_maxnreg` for the decode tile
+    of the default layout (`meta_words`) at head_dim 128, the one whose registers and spills were counted; None (the
+    compiler's choice) otherwise."""
+    if DEFAULT_LAUNCH["maxnreg"] is not None:
+        return DEFAULT_LAUNCH["maxnreg"]
+    return DEFAULT_LAUNCH["decode_maxnreg"] if meta_words and head_dim == 128 else None
 
 
 def _pairs_as_words(meta: torch.Tensor) -> bool:
@@ -955,6 +969,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         hist_meta_k, hist_meta_v = hist_meta_k.view(torch.int32), hist_meta_v.view(torch.int32)
     else:
         prefetch, l2_ahead = False, 0
+    maxnreg = register_cap(meta_words, d)
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
@@ -980,7 +995,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
         WIDE_CHANNELS=channel_table is not None, num_warps=num_warps, num_stages=num_stages,
         # a register cap (ptxas `.maxnreg`) trades spills for more programs per SM; None: the compiler's choice
-        **({} if DEFAULT_LAUNCH["maxnreg"] is None or INTERPRET else {"maxnreg": DEFAULT_LAUNCH["maxnreg"]}),
+        **({} if maxnreg is None or INTERPRET else {"maxnreg": maxnreg}),
     )
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
