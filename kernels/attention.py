@@ -174,7 +174,9 @@ def _prefetch_l2(ptr, nbytes):
     """Asks the copy engine (one thread of the program) to bring `nbytes` from `ptr` into L2, and returns at once:
     `cp.async.bulk.prefetch.L2` (sm_90). A load that comes later then waits for L2, not for DRAM; this keeps bytes in
     flight without the registers a prefetch into registers costs. The range is widened to whole 16-byte units
-    (the instruction's granule; never beyond the allocation's 512-byte granule); `nbytes` <= 0 does nothing."""
+    (the instruction's granule; never beyond the allocation's 512-byte granule). `nbytes` <= 0 asks for nothing when
+    `ptr` is 16-byte aligned, as every caller's is (rows of whole 16-byte units from an aligned base); an unaligned
+    `ptr` with `nbytes` 0 would still ask for the 16 bytes that hold it."""
     addr = ptr.to(tl.uint64, bitcast=True)
     lo = addr & 0xFFFFFFFFFFFFFFF0
     size = ((addr - lo).to(tl.int32) + nbytes + 15) & -16
