@@ -836,13 +836,14 @@ def key_tile(block_n: int, key_blocks, split_tile_max: int | None = None) -> tup
     return min(block_n, smallest), False
 
 
-def register_cap(meta_words: bool, head_dim: int) -> int | None:
+def register_cap(meta_words: bool, register_prefetch: bool, head_dim: int) -> int | None:
     """The launch's ptxas register cap: `DEFAULT_LAUNCH['maxnreg']` when set, else `decode_maxnreg` for the decode tile
-    of the default layout (`meta_words`) at head_dim 128, the one whose registers and spills were counted; None (the
-    compiler's choice) otherwise."""
+    of the default layout (`meta_words`) at head_dim 128 in the loop that leaves its loads in place, the one whose
+    registers and spills were counted (the register-prefetching loop spills under it); None (the compiler's choice)
+    otherwise."""
     if DEFAULT_LAUNCH["maxnreg"] is not None:
         return DEFAULT_LAUNCH["maxnreg"]
-    return DEFAULT_LAUNCH["decode_maxnreg"] if meta_words and head_dim == 128 else None
+    return DEFAULT_LAUNCH["decode_maxnreg"] if meta_words and not register_prefetch and head_dim == 128 else None
 
 
 def _pairs_as_words(meta: torch.Tensor) -> bool:
@@ -971,7 +972,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         hist_meta_k, hist_meta_v = hist_meta_k.view(torch.int32), hist_meta_v.view(torch.int32)
     else:
         prefetch, l2_ahead = False, 0
-    maxnreg = register_cap(meta_words, d)
+    maxnreg = register_cap(meta_words, prefetch, d)
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)

@@ -605,14 +605,15 @@ def test_split_tiles_of_128_give_the_same_attention(monkeypatch):
 
 def test_register_cap_applies_to_the_counted_decode_tile_only(monkeypatch):
     """The default cap (168 registers: 3 programs of 4 warps per SM) goes to the decode tile of the default layout at
-    head_dim 128, whose registers and spills eval/compile_kernels.py counted; other tiles keep the compiler's choice,
-    and an explicit `maxnreg` caps every launch."""
+    head_dim 128, whose registers and spills eval/compile_kernels.py counted; other tiles and the register-prefetching
+    loop (which spills under it) keep the compiler's choice, and an explicit `maxnreg` caps every launch."""
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH, register_cap
 
-    assert register_cap(True, 128) == DEFAULT_LAUNCH["decode_maxnreg"] == 168
-    assert register_cap(True, 64) is None and register_cap(False, 128) is None
+    assert register_cap(True, False, 128) == DEFAULT_LAUNCH["decode_maxnreg"] == 168
+    assert register_cap(True, False, 64) is None and register_cap(False, False, 128) is None
+    assert register_cap(True, True, 128) is None
     monkeypatch.setitem(DEFAULT_LAUNCH, "maxnreg", 128)
-    assert register_cap(False, 64) == register_cap(True, 128) == 128
+    assert register_cap(False, False, 64) == register_cap(True, True, 128) == 128
 
 
 @pytest.mark.parametrize("prefetch,l2_ahead", [(False, 0), (True, 0), (False, 2)])
