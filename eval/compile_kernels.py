@@ -27,13 +27,16 @@ from triton.compiler import ASTSource
 
 import oscar_hf.kernels.attention as attention
 import oscar_hf.kernels.quantize as quantize
+import oscar_hf.kernels.store as store
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"q_ptr": "*{q}", "o_ptr": "*fp32", "lse_ptr": "*fp32", "sink_k": "*{q}", "sink_v": "*{q}", "codes_k": "*u8",
             "codes_v": "*u8", "meta_k": "*fp16", "meta_v": "*fp16", "rec_k": "*{q}", "rec_v": "*{q}", "ext_k": "*{q}",
             "ext_v": "*{q}", "mask_ptr": "*u8", "x_ptr": "*{q}", "rot_ptr": "*{q}", "codes_ptr": "*u8", "meta_ptr": "*fp16",
             "len_ptr": "*i32", "key_table": "*i32", "table_ptr": "*i32", "wide_ptr": "*i32", "wide_table": "*i32",
-            "start_ptr": "*i64", "channels_ptr": "*i32", "channel_table": "*i32"}
+            "start_ptr": "*i64", "channels_ptr": "*i32", "channel_table": "*i32", "out_ptr": "*{q}",
+            "lse_out_ptr": "*fp32", "k_ptr": "*{q}", "v_ptr": "*{q}", "rk_ptr": "*{q}", "rv_ptr": "*{q}", "ring_k": "*{q}",
+            "ring_v": "*{q}", "pos_ptr": "*i64"}
 
 
 def signature(fn, constexprs, qtype):
@@ -217,6 +220,29 @@ def main():
         except Exception as e:
             failures += 1
             print(f"{name}: FAILED {str(e)[-400:]}")
+    # the split-K merge (one program per query row over the splits' partial results), at the split counts of larger
+    # batches (BLOCK_S 64), of batch 1 (about 200 at 32K with 8 KV heads: 256) and of one KV head (2048)
+    for d, block_s, rotate in [(d, s, r) for d in (64, 128, 256) for s in (64, 256, 2048) for r in (False, True)]:
+        const = dict(D=d, BLOCK_S=block_s, ROTATE=rotate, BLOCK_E=max(16, min(d, 4096 // d)), INTERPRET_ROUNDING=False,
+                     CHUNK_S=attention.merge_chunk(block_s, d))
+        sig = signature(attention._merge_kernel, const, "bf16")
+        try:
+            k = triton.compile(ASTSource(attention._merge_kernel, sig, constexprs=const), target=TARGET)
+            print(f"merge d={d} BLOCK_S={block_s} CHUNK_S={const['CHUNK_S']} rotate={rotate}: {ptxas_report(k)}",
+                  flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"merge d={d} BLOCK_S={block_s} rotate={rotate}: FAILED {str(e)[-400:]}")
+    # a static cache's decode-step store (one token rotated into its sink or ring slot)
+    for d in (64, 128, 256):
+        const = dict(D=d, BLOCK_E=max(16, min(d, 4096 // d)), INTERPRET=False)
+        try:
+            k = triton.compile(ASTSource(store._rotate_store_kernel, signature(store._rotate_store_kernel, const, "bf16"),
+                                         constexprs=const), target=TARGET)
+            print(f"rotate_store d={d}: {ptxas_report(k)}", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"rotate_store d={d}: FAILED {str(e)[-400:]}")
     qvariants = [(d, 1, r, True, True, False, False) for d in (64, 128, 256) for r in (False, True)]
     qvariants += [(128, 2, True, False, False, True, False), (64, 4, False, True, False, False, False)]
     qvariants += [(d, 1, r, True, True, False, True) for d in (64, 128) for r in (False, True)]  # wide heads

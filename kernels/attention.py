@@ -748,7 +748,7 @@ def _merge_kernel(
     o_ptr, so_r, so_s, so_d, lse_ptr, sl_r, sl_s, out_ptr, sout_r, sout_d, lse_out_ptr,
     rot_ptr, srot_h, srot_i, srot_o, rows_per_head, heads,
     n_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATE: tl.constexpr, BLOCK_E: tl.constexpr,
-    INTERPRET_ROUNDING: tl.constexpr,
+    INTERPRET_ROUNDING: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     r = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -758,8 +758,20 @@ def _merge_kernel(
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp(lse - top)
     total = tl.sum(w, axis=0)
-    o = tl.load(o_ptr + r * so_r + s[:, None] * so_s + d[None, :] * so_d, mask=(s < n_splits)[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    if CHUNK_S == BLOCK_S:
+        o = tl.load(o_ptr + r * so_r + s[:, None] * so_s + d[None, :] * so_d, mask=(s < n_splits)[:, None], other=0.0)
+        acc = tl.sum(o * w[:, None], axis=0)
+    else:
+        # the partial outputs CHUNK_S splits at a time: a whole [BLOCK_S, D] float32 tile would spill (`MERGE_TILE`)
+        c = tl.arange(0, CHUNK_S)
+        acc = tl.zeros([D], dtype=tl.float32)
+        for s0 in range(0, n_splits, CHUNK_S):
+            sc = s0 + c
+            wc = tl.exp(tl.load(lse_ptr + r * sl_r + sc * sl_s, mask=sc < n_splits, other=float("-inf")) - top)
+            o = tl.load(o_ptr + r * so_r + sc[:, None] * so_s + d[None, :] * so_d, mask=(sc < n_splits)[:, None],
+                        other=0.0)
+            acc += tl.sum(o * wc[:, None], axis=0)
+    out = acc / tl.maximum(total, 1e-30)
     if ROTATE:
         # the output un-rotated here, out·R_Vᵀ (out_e = Σ_d out_d R[e, d]) in float32: one launch fewer per layer
         # than a GEMV after the op; BLOCK_E output columns at a time keep R's tile in registers
@@ -789,6 +801,23 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
     extra_chunk = max(block_n, math.ceil(math.ceil(n_extra / max(extra_splits, 1)) / block_n) * block_n)
     extra_splits = math.ceil(n_extra / extra_chunk) if n_extra > 0 else 0
     return hist_splits, hist_chunk, extra_splits, extra_chunk
+
+
+# The merge reads a row's partial outputs as one [BLOCK_S, D] float32 tile up to MERGE_TILE elements, in chunks of
+# MERGE_CHUNK elements beyond. ptxas (eval/compile_kernels.py, with the un-rotation): one KV head at batch 1 (about
+# 1,600 splits, BLOCK_S 2,048) spills 27,636 bytes per thread at D 128 as one tile and none in chunks of 64 splits;
+# 256 splits at D 256, 1,624 bytes and 12 in chunks of 32. At D 128 and 256 splits (8 KV heads at batch 1) the one
+# tile spills 60 bytes and is kept: that launch's timings are the measured ones.
+MERGE_TILE = 32 * 1024
+MERGE_CHUNK = 8 * 1024
+
+
+def merge_chunk(block_s: int, d: int) -> int:
+    """The splits the merge reads at a time: all `block_s` (a power of two) if their tile is at most `MERGE_TILE`
+    elements, else `MERGE_CHUNK` elements' worth (a power of two, at least 16)."""
+    if block_s * d <= MERGE_TILE:
+        return block_s
+    return max(16, MERGE_CHUNK // d)
 
 
 def recent_split_plan(n_recent: int, hist_chunk: int, block_n: int) -> tuple[int, int]:
@@ -1007,12 +1036,13 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     if rotate and tuple(value_rotation.shape) != (h, d, d):
         raise ValueError(f"value_rotation must be [{h}, {d}, {d}], got {list(value_rotation.shape)}")
     rot = value_rotation if rotate else q
+    block_s = triton.next_power_of_2(n_splits)
     _merge_kernel[(rows,)](
         partial.view(rows, n_splits, d), n_splits * d, d, 1,
         partial_lse.view(rows, n_splits), n_splits, 1,
         out.view(rows, d), d, 1, lse.view(rows),
         rot, *(rot.stride() if rotate else (0, 0, 0)), m, h,
-        n_splits, D=d, BLOCK_S=triton.next_power_of_2(n_splits), ROTATE=rotate, BLOCK_E=max(16, min(d, 4096 // d)),
-        INTERPRET_ROUNDING=INTERPRET,
+        n_splits, D=d, BLOCK_S=block_s, ROTATE=rotate, BLOCK_E=max(16, min(d, 4096 // d)),
+        INTERPRET_ROUNDING=INTERPRET, CHUNK_S=merge_chunk(block_s, d),
     )
     return out, lse

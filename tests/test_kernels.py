@@ -635,6 +635,54 @@ def test_many_splits_merge_exactly():
     assert torch.allclose(lse1, lse2, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+@pytest.mark.parametrize("min_tiles", [1, 4, 8])
+def test_split_plan_covers_every_row_once_at_decode_sizes(block_n, min_tiles):
+    """`plan_splits` at the sizes a GPU decode step plans (up to 131K rows, 132 SMs x 12 programs), which the
+    interpreter tests never reach: whole key tiles per split, every history and extra row in exactly one non-empty
+    split, at least `min_tiles` tiles per split where the history has them, and no more programs than the target
+    asks for, give or take one split per (batch, head)."""
+    from oscar_hf.kernels.attention import plan_splits
+
+    for batch_heads in (1, 8, 64, 256):
+        for n_hist in (0, 1, 63, 64, 65, 4096, 32_512, 100_000, 131_072):
+            for n_extra in (0, 1, 300):
+                for target in (1, 132, 1584, 3168):
+                    hs, hc, es, ec = plan_splits(batch_heads, 1, n_hist, n_extra, block_n, target, min_tiles)
+                    case = (batch_heads, n_hist, n_extra, target, hs, hc, es, ec)
+                    assert hc % block_n == 0 and ec % block_n == 0 and hs >= 1, case
+                    if n_hist:
+                        assert (hs - 1) * hc < n_hist <= hs * hc, case
+                        assert hc >= min(min_tiles * block_n, -(-n_hist // block_n) * block_n), case
+                        assert batch_heads * hs < max(target, batch_heads) + batch_heads, case
+                    else:
+                        assert hs == 1, case
+                    if n_extra:
+                        assert (es - 1) * ec < n_extra <= es * ec, case
+                    else:
+                        assert es == 0, case
+
+
+def test_merge_in_chunks_gives_the_one_tile_merge(monkeypatch):
+    """Beyond `MERGE_TILE` elements the merge reads the splits' partial outputs in chunks (one [splits, d] float32
+    tile would spill: one KV head at batch 1 has about 1,600 splits): the one-tile merge's output and lse, and the
+    twin's."""
+    from oscar_hf.kernels import attention as att
+
+    args, _ = random_segments(b=1, h=1, t=1, g=4, d=64, nh=300, nr=40, dtype=torch.bfloat16, seed=3)
+    flat = _flat_segments(args)
+    whole, lse_whole = segment_attention_triton(*flat, block_n=16, target_programs=64)
+    chunks = []
+    monkeypatch.setattr(att, "MERGE_TILE", 16 * 64)  # anything beyond 16 splits of d = 64
+    monkeypatch.setattr(att, "MERGE_CHUNK", 16 * 64)
+    monkeypatch.setattr(att, "merge_chunk", lambda block_s, d, f=att.merge_chunk: chunks.append((block_s, f(block_s, d)))
+                        or chunks[-1][1])
+    chunked, lse_chunked = segment_attention_triton(*flat, block_n=16, target_programs=64)
+    assert chunks and all(c == 16 < b for b, c in chunks), chunks  # the chunked loop ran, over several chunks
+    assert torch.allclose(chunked.float(), whole.float(), atol=1e-2) and torch.allclose(lse_chunked, lse_whole, atol=1e-5)
+    _check_segment_kernel(args, chunked, lse_chunked)
+
+
 def test_a_long_recent_window_splits_like_the_history():
     """The BF16 recent window is split into tiles of about a history split's work (`recent_split_plan`), so a short
     history does not leave the whole window to one program: several recent splits give the one-split answer."""
