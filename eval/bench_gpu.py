@@ -628,8 +628,8 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
             log(f"micro: deadline reached before B={b} L={length} {layout}")
             return rows
         row = dict(batch=b, length=length, key_layout=layout, launch=tuned or {k: DEFAULT_LAUNCH[k] for k in (
-            "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "prefetch", "l2_ahead",
-            "ptx_unpack", "maxnreg")})
+            "block_n", "num_warps_channel_keys", "num_stages", "programs_per_sm", "programs_per_sm_long",
+            "long_split_tokens", "prefetch", "l2_ahead", "ptx_unpack", "maxnreg")})
         args = decode_args(b, length, device, layout=layout)
         row["key_blocks"], row["key_chunk"] = args[19], args[20]
         q_plain = torch.randn(b, h * g, 1, d, device=device, dtype=torch.bfloat16)

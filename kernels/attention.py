@@ -812,6 +812,17 @@ MERGE_TILE = 32 * 1024
 MERGE_CHUNK = 8 * 1024
 
 
+def target_programs_for(per_split: int, n_hist: int, sms: int) -> int:
+    """Stage 1's program count when the caller names none: `programs_per_sm` per SM, or `programs_per_sm_long` where
+    the history would still give each split at least `long_split_tokens` tokens at that count (many (batch, head)
+    pairs over a long history: more programs keep more loads in flight without making splits short, where a
+    program's fixed work would dominate). `per_split`: programs per history split (batch × KV heads × query tiles)."""
+    many = DEFAULT_LAUNCH["programs_per_sm_long"] * sms
+    if n_hist >= DEFAULT_LAUNCH["long_split_tokens"] * math.ceil(many / per_split):
+        return many
+    return DEFAULT_LAUNCH["programs_per_sm"] * sms
+
+
 def merge_chunk(block_s: int, d: int) -> int:
     """The splits the merge reads at a time: all `block_s` (a power of two) if their tile is at most `MERGE_TILE`
     elements, else `MERGE_CHUNK` elements' worth (a power of two, at least 16)."""
@@ -844,7 +855,12 @@ _BULK_PREFETCH: dict = {}
 # decode_register_cap_h100.log). `maxnreg`, when set, caps every launch instead.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
                       min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
-                      decode_maxnreg=168)
+                      decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024)
+# `programs_per_sm_long`, `long_split_tokens` (`target_programs_for`): 24 programs per SM where splits keep at least
+# 1,024 tokens. Kernel, format 6, H100 (results/gpu/decode_programs_per_sm_h100.log), 12 against 24 per SM: 32K x 16
+# 628.7 -> 586.9 us, 32K x 32 1,230 -> 1,153, 100K x 16 1,859 -> 1,726, 100K x 8 911.3 -> 879.2 (these keep
+# >= 1,024 tokens a split at 24); 32K x 8 308.0 / 307.2, 8K x 32 304.1 / 310.2, 32K x 4 163.4 / 164.7, 32K x 1
+# 52.5 / 63.1, 100K x 1 126.2 / 152.3 (these would not, and keep 12).
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -971,13 +987,13 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     num_warps = num_warps or DEFAULT_LAUNCH["num_warps_channel_keys" if key_chunk and block_m == 16 else "num_warps"]
     num_stages = num_stages or DEFAULT_LAUNCH["num_stages"]
     m_tiles = triton.cdiv(m, block_m)
-    target = target_programs or DEFAULT_LAUNCH["programs_per_sm"] * _sm_count(q.device)
     if device_lengths is None:
         n_sink, n_hist, n_recent, n_extra, query_start = host_lengths
         plan_hist, plan_recent, ring_size = n_hist, n_recent, recent_k.shape[2]
     else:  # planned for the whole capacity: the same grid every step
         n_sink = n_hist = n_recent = n_extra = query_start = 0
         plan_hist, plan_recent, ring_size = hist_codes_k.shape[2], recent_k.shape[2], recent_k.shape[2]
+    target = target_programs or target_programs_for(b * h * m_tiles, plan_hist, _sm_count(q.device))
     hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target,
                                                                      DEFAULT_LAUNCH["min_split_tiles"])
     recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)

@@ -1062,3 +1062,19 @@ def test_eager_calls_take_the_launchers_and_traced_calls_the_custom_ops(monkeypa
         written.append((codes, meta))
     assert _same(written[0], written[1])
     assert not (written[0][0][:, :, 32:] == 0xAA).all() and not written[0][1][:, 1].isnan().any()
+
+
+def test_more_programs_only_where_splits_stay_long():
+    """`target_programs_for` asks for `programs_per_sm_long` per SM only where each history split keeps at least
+    `long_split_tokens` tokens at that count, else `programs_per_sm` (132 SMs, the defaults)."""
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH, target_programs_for
+
+    few, many = DEFAULT_LAUNCH["programs_per_sm"] * 132, DEFAULT_LAUNCH["programs_per_sm_long"] * 132
+    assert many > few
+    splits = -(-many // 128)  # 128 (batch, head) pairs: 16 sequences of 8 KV heads
+    edge = DEFAULT_LAUNCH["long_split_tokens"] * splits
+    assert target_programs_for(128, edge, 132) == many
+    assert target_programs_for(128, edge - 1, 132) == few
+    assert target_programs_for(8, 100_000, 132) == few  # batch 1: splits of a few tiles at 24 per SM
+    assert target_programs_for(256, 32_768, 132) == many
+    assert target_programs_for(256, 8_192, 132) == few
