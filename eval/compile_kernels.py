@@ -6,6 +6,7 @@ shared memory from ptxas: catches compile errors and spills before spending devi
                                             # the SASS instruction mix of each loop (the no-GPU profile)
     python eval/compile_kernels.py --sass --blocks 32,64,128,64,64,64,128,64   # per-head key blocks (calibrated)
     python eval/compile_kernels.py --sass --wide 1,6     # KV heads 1 and 6 wide (4-bit histories, `format.wide_rows`)
+    python eval/compile_kernels.py --sass --wide 1,6 --channels 16,0,26,31,36,41,0,24   # wide key channels per head
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def ptxas_report(kernel, cubin: str = os.devnull) -> str:
 
 
 def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype=torch.bfloat16, blocks=None,
-                 wide_heads=()) -> None:
+                 wide_heads=(), wide_channels=()) -> None:
     """Compiles the decode kernel exactly as `segment_attention_triton` would launch it for this shape (Triton's own
     specialization of each argument: integers equal to 1 become constants, multiples of 16 are marked divisible) and
     prints registers, spills and the SASS instruction mix of each loop."""
@@ -105,7 +106,7 @@ def sass_profile(batch=1, kv_heads=8, gqa=4, length=100_000, head_dim=128, dtype
         extra = bf[:, :, :0]
         attention.segment_attention_triton(q, bf, bf, codes, meta_k, codes, meta, bf, bf, extra, extra, None,
                                            64, length // chunk * chunk, 256, 0, 1, length + 320, head_dim ** -0.5,
-                                           blocks, chunk, wide)
+                                           blocks, chunk, wide, wide_channels)
     finally:
         attention._segment_attention_kernel, attention._merge_kernel = kernel, merge
     fn, grid, args, kw = launches[0]
@@ -178,7 +179,10 @@ def main():
         wide = ()
         if "--wide" in sys.argv:
             wide = tuple(int(h) for h in sys.argv[sys.argv.index("--wide") + 1].split(","))
-        sass_profile(blocks=blocks, kv_heads=len(blocks) if blocks else 8, wide_heads=wide)
+        channels = ()
+        if "--channels" in sys.argv:  # wide key channels per KV head (format 6), e.g. 16,0,26,31,36,41,0,24
+            channels = tuple(int(n) for n in sys.argv[sys.argv.index("--channels") + 1].split(","))
+        sass_profile(blocks=blocks, kv_heads=len(blocks) if blocks else 8, wide_heads=wide, wide_channels=channels)
         return 0
     failures = 0
     # key_chunk: 0 token-wise keys, else channel-wise keys in chunks of that many tokens (per-head blocks are runtime
