@@ -332,9 +332,10 @@ def _quantize_pack_kernel(
 
 
 _META_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# Token-wise launches: how many row tiles one program quantizes (eval/bench_gpu.py's quant section times 1 and 8:
-# 714 vs 635 us for 100K tokens x 8 heads on the H200).
-QUANTIZE_LAUNCH = dict(tiles_per_program=8)
+# Token-wise launches: how many row tiles one program quantizes (eval/bench_gpu.py's quant section times 1 and 8).
+# 8 was faster before the clip search was bracketed (H200: 635 against 714 us for 100K tokens x 8 heads); since then
+# 1 is (H100, two calls: 229.1 / 227.7 against 237.7 / 236.4 us; results/gpu/prefill_quantize_h100.log).
+QUANTIZE_LAUNCH = dict(tiles_per_program=1)
 _MIN_PROGRAMS = 512  # ~4 per SM on an H200: fewer tiles per program rather than an idle GPU
 _KEY_BLOCK_TABLES: dict = {}
 
