@@ -803,15 +803,6 @@ def plan_splits(batch_heads: int, m_tiles: int, n_hist: int, n_extra: int, block
     return hist_splits, hist_chunk, extra_splits, extra_chunk
 
 
-# The merge reads a row's partial outputs as one [BLOCK_S, D] float32 tile up to MERGE_TILE elements, in chunks of
-# MERGE_CHUNK elements beyond. ptxas (eval/compile_kernels.py, with the un-rotation): one KV head at batch 1 (about
-# 1,600 splits, BLOCK_S 2,048) spills 27,636 bytes per thread at D 128 as one tile and none in chunks of 64 splits;
-# 256 splits at D 256, 1,624 bytes and 12 in chunks of 32. At D 128 and 256 splits (8 KV heads at batch 1) the one
-# tile spills 60 bytes and is kept: that launch's timings are the measured ones.
-MERGE_TILE = 32 * 1024
-MERGE_CHUNK = 8 * 1024
-
-
 def target_programs_for(per_split: int, n_hist: int, sms: int) -> int:
     """Stage 1's program count when the caller names none: `programs_per_sm` per SM, or `programs_per_sm_long` where
     the history would still give each split at least `long_split_tokens` tokens at that count (many (batch, head)
@@ -821,6 +812,15 @@ def target_programs_for(per_split: int, n_hist: int, sms: int) -> int:
     if n_hist >= DEFAULT_LAUNCH["long_split_tokens"] * math.ceil(many / per_split):
         return many
     return DEFAULT_LAUNCH["programs_per_sm"] * sms
+
+
+# The merge reads a row's partial outputs as one [BLOCK_S, D] float32 tile up to MERGE_TILE elements, in chunks of
+# MERGE_CHUNK elements beyond. ptxas (eval/compile_kernels.py, with the un-rotation): one KV head at batch 1 (about
+# 1,600 splits, BLOCK_S 2,048) spills 27,636 bytes per thread at D 128 as one tile and none in chunks of 64 splits;
+# 256 splits at D 256, 1,624 bytes and 12 in chunks of 32. At D 128 and 256 splits (8 KV heads at batch 1) the one
+# tile spills 60 bytes and is kept: that launch's timings are the measured ones.
+MERGE_TILE = 32 * 1024
+MERGE_CHUNK = 8 * 1024
 
 
 def merge_chunk(block_s: int, d: int) -> int:
@@ -853,14 +853,14 @@ _BULK_PREFETCH: dict = {}
 # the compiler takes 192 registers per thread, so 2 programs of 4 warps fit on an SM; at 168 (no spills, 1% more
 # instructions per tile: eval/compile_kernels.py --sass) 3 fit, and their loads overlap (results/gpu/
 # decode_register_cap_h100.log). `maxnreg`, when set, caps every launch instead.
-DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
-                      min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
-                      decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024)
 # `programs_per_sm_long`, `long_split_tokens` (`target_programs_for`): 24 programs per SM where splits keep at least
 # 1,024 tokens. Kernel, format 6, H100 (results/gpu/decode_programs_per_sm_h100.log), 12 against 24 per SM: 32K x 16
 # 628.7 -> 586.9 us, 32K x 32 1,230 -> 1,153, 100K x 16 1,859 -> 1,726, 100K x 8 911.3 -> 879.2 (these keep
 # >= 1,024 tokens a split at 24); 32K x 8 308.0 / 307.2, 8K x 32 304.1 / 310.2, 32K x 4 163.4 / 164.7, 32K x 1
 # 52.5 / 63.1, 100K x 1 126.2 / 152.3 (these would not, and keep 12).
+DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
+                      min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
+                      decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
