@@ -4,7 +4,7 @@ Each case runs one tiny model (random weights, float32, the torch twins) through
 a prefill, single-token decode steps (blocks complete, the window slides), a multi-token chunk onto the filled cache,
 more decode steps, and `model.generate`. It records the logits of every step, the generated tokens and the bytes the
 cache stores (sink, recent window or ring, packed history codes and metadata). `python tests/golden_cases.py`
-rewrites `tests/data/cache_reference_outputs.safetensors`; `test_golden.py` compares against it (bytes exactly,
+rewrites `tests/data/cache_reference_outputs.safetensors`; `test_golden.py` compares against it (codes exactly,
 logits to float32 rounding of a reordered sum).
 """
 
