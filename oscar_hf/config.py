@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ KEY_CHANNEL_BITS = ("fitted", "uniform")
 DEFAULT_CLIP_GRID = (0.60, 0.65, 0.70, 0.75, 0.80, 0.84, 0.88, 0.90, 0.92, 0.94, 0.96, 0.98, 1.0)
 
 
+def codes_per_byte(bits: int) -> int:
+    """Codes of `bits` bits packed per byte along a row (3-bit codes: a 2-bit plane and a 1-bit plane, so 8)."""
+    return 8 if bits == 3 else 8 // bits
+
+
 class _Serializable:
     """to/from dict, JSON and YAML, shared by both configs. Unknown fields are refused, naming the config that has
     them when it is the other one."""
@@ -42,6 +48,9 @@ class _Serializable:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}: a config must be a mapping of field names to values, "
+                             f"got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -80,7 +89,19 @@ class _Serializable:
     def load(cls, path: str | Path):
         path = Path(path)
         text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        if path.suffix not in (".yaml", ".yml"):
+            try:
+                return cls.from_json(text)
+            except ValueError as e:  # JSON syntax or a bad field: name the file
+                raise ValueError(f"{path}: {e}") from None
+        import yaml
+
+        try:
+            return cls.from_yaml(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -149,7 +170,7 @@ class OscarConfig(_Serializable):
     scale_dtype: str = "float16"
 
     def __post_init__(self):
-        if self.bits not in SUPPORTED_BITS or isinstance(self.bits, bool):
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             self._fail("bits", f"must be one of {SUPPORTED_BITS}")
         if self.group_size is not None:
             self._check_int("group_size", 1)
@@ -163,6 +184,9 @@ class OscarConfig(_Serializable):
         if self.key_granularity == "channel" and self.demotion_block % self.key_block:
             self._fail("key_block", f"must divide demotion_block ({self.demotion_block}): keys enter the history "
                                     "in whole demotion blocks")
+        if self.key_granularity == "channel" and self.bits < 16 and self.key_block % codes_per_byte(self.bits):
+            self._fail("key_block", f"must be a multiple of {codes_per_byte(self.bits)} at bits={self.bits}: "
+                                    "channel-wise key codes are packed along the block")
         for name in ("key_clip", "value_clip"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -177,7 +201,7 @@ class OscarConfig(_Serializable):
         group = self.group_size or head_dim
         if head_dim % group:
             raise ValueError(f"OscarConfig.group_size: {group} does not divide the model's head_dim {head_dim}")
-        per_byte = 8 // self.bits if self.bits in (2, 4, 8) else 8
+        per_byte = codes_per_byte(self.bits)
         if self.bits < 16 and head_dim % per_byte:
             raise ValueError(f"OscarConfig.bits: head_dim {head_dim} is not a multiple of {per_byte} codes per byte")
 
@@ -273,7 +297,11 @@ class CalibrationConfig(_Serializable):
     choose_key_basis: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "clip_grid", tuple(float(r) for r in self.clip_grid))
+        grid = self.clip_grid
+        if isinstance(grid, (str, bytes)) or not hasattr(grid, "__iter__") or \
+                any(isinstance(r, bool) or not isinstance(r, numbers.Real) for r in grid):
+            self._fail("clip_grid", "must be a non-empty list of ratios in (0, 1]")
+        object.__setattr__(self, "clip_grid", tuple(float(r) for r in grid))
         self._check_int("tokens", 1)
         self._check_int("sequence_length", 16)
         self._check_int("heldout_tokens", 0)

@@ -39,8 +39,8 @@ def test_allocation_budget_spends_what_cheap_values_leave_at_head_dim_256():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("bits", 5), ("bits", True), ("group_size", 0), ("group_size", 3), ("sink_tokens", -1), ("window_tokens", 1.5),
-        ("demotion_block", 0), ("key_block", 0), ("key_block", 48),
+        ("bits", 5), ("bits", True), ("bits", 2.0), ("group_size", 0), ("group_size", 3), ("sink_tokens", -1), ("window_tokens", 1.5),
+        ("demotion_block", 0), ("key_block", 0), ("key_block", 48), ("key_block", 2),
         ("key_clip", 1.2), ("key_clip", "auto"), ("value_clip", 0.0), ("value_clip", True),
         ("scale_dtype", "int8"), ("key_granularity", "row"),
     ],
@@ -57,12 +57,21 @@ def test_invalid_values_name_the_field(field, value):
         ("allocation_history_bits", True), ("allocation_history_bits", "2.5"), ("wide_heads", "all"),
         ("wide_history_bits", -1), ("key_channel_bits", "mixed"), ("choose_key_basis", "yes"), ("center_keys", 1),
         ("center_keys", "yes"), ("clip_grid", ()), ("clip_grid", (0.5, 1.5)), ("tokens", 0), ("sequence_length", 8),
-        ("heldout_tokens", -3),
+        ("heldout_tokens", -3), ("clip_grid", "0.9"), ("clip_grid", ("a",)), ("clip_grid", 0.9),
     ],
 )
 def test_invalid_calibration_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"CalibrationConfig\.{field}"):
         CalibrationConfig(**{field: value})
+
+
+def test_channel_wise_key_blocks_hold_whole_bytes_of_codes():
+    """Channel-wise key codes are packed along the block: a block of fewer codes than a byte holds failed only once
+    the history was first written, deep in the packing."""
+    OscarConfig(bits=4, demotion_block=4, key_block=2)
+    OscarConfig(bits=3, key_granularity="token", demotion_block=4, key_block=4)  # token-wise keys: no key blocks
+    with pytest.raises(ValueError, match=r"OscarConfig\.key_block: must be a multiple of 8 at bits=3"):
+        OscarConfig(bits=3, demotion_block=8, key_block=4)
 
 
 def test_calibration_budgets_must_exceed_the_layout_bits():
@@ -91,6 +100,16 @@ def test_unknown_fields_are_rejected_and_misplaced_ones_named():
         CalibrationConfig.from_dict({"sink_tokens": 4})
     with pytest.raises(ValueError, match="mapping"):
         OscarConfig.from_yaml("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="OscarConfig: a config must be a mapping of field names to values, got list"):
+        OscarConfig.from_json("[1, 2]")
+
+
+def test_a_config_file_that_does_not_parse_is_named(tmp_path):
+    for name, text, message in (("c.json", "{broken", "Expecting property name"), ("c.yaml", "a: [b", "not valid YAML"),
+                                ("d.json", '{"bits": 5}', r"OscarConfig\.bits")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / name}: .*{message}"):
+            OscarConfig.load(tmp_path / name)
 
 
 def test_a_legacy_config_splits_into_its_parts():
