@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OscarConfig
+from .config import OscarConfig, codes_per_byte
 
 WIDE_BITS = 4  # the history bits of a wide head, and of a wide key channel
 GRANULARITIES = ("token", "channel")
@@ -314,6 +314,10 @@ def layer_format(config: OscarConfig, heads: int, head_dim: int, key_clip: float
     common = dict(heads=heads, head_dim=head_dim, bits=config.bits, group_size=config.group_size or head_dim,
                   wide_rows=rows, scale_dtype=config.scale_dtype)
     if config.key_granularity == "channel" and config.bits < 16:
+        per_byte = codes_per_byte(config.bits)
+        if key_blocks is not None and any(int(b) % per_byte for b in key_blocks):
+            raise ValueError(f"key blocks {[int(b) for b in key_blocks]}: at {config.bits} bits each must be a multiple "
+                             f"of {per_byte} tokens (channel-wise key codes are packed along the block)")
         keys = StreamFormat(granularity="channel", blocks=tuple(key_blocks or (config.key_block,) * heads),
                             chunk=config.demotion_block, wide_channels=tuple(wide_channels or ()), **common)
     else:

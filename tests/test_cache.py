@@ -205,6 +205,12 @@ def test_reset_and_reuse_with_another_batch():
         _feed(cache, *_states(1, batch=3), [1])
 
 
+def test_a_rotation_files_key_blocks_that_pack_no_whole_bytes_are_refused_when_the_cache_is_built():
+    config = CHANNEL.replace(demotion_block=8, key_block=4)
+    with pytest.raises(ValueError, match=r"key blocks \[2, 8\]: at 2 bits each must be a multiple of 4 tokens"):
+        _cache(config, key_blocks=(2, 8))  # (a hand-edited file: calibration gives multiples of 8)
+
+
 def test_max_cache_len_is_a_limit():
     cache = _cache(max_cache_len=20)
     _feed(cache, *_states(20), [20])
