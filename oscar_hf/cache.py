@@ -19,6 +19,7 @@ stored as k − μ: attention is unchanged, since softmax ignores the per-query 
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from dataclasses import dataclass
@@ -450,6 +451,9 @@ class OscarCache(Cache):
             check_attention_interface(model)
         if not isinstance(rotations, OscarRotations):
             raise TypeError(f"{type(self).__name__} needs OscarRotations, got {type(rotations).__name__}")
+        if config is not None and not isinstance(config, OscarConfig):
+            raise TypeError(f"{type(self).__name__}: config must be an OscarConfig (or None), got {type(config).__name__}"
+                            + (" (OscarConfig.from_dict makes one from a dict)" if isinstance(config, dict) else ""))
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive number of tokens, got {max_cache_len!r}")
@@ -511,6 +515,9 @@ class OscarCache(Cache):
         """At the first layer of a forward pass: a pass that would overflow max_cache_len is refused before any layer
         is written, and a new batch size after `reset` re-initialises every layer; at the first OSCAR layer: the plan
         advances by the pass's tokens."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers, for the model it was built for; "
+                             f"got layer {layer_idx}: build a cache for the model that uses it")
         if layer_idx == 0:
             tokens, limit = key_states.shape[2], self.plan.max_length
             # (not under compile: there the length lives on the device, and generate checked the call on the host)
@@ -559,6 +566,10 @@ class OscarCache(Cache):
         demotion_block + 1 tokens of the longest the sequence has been (assisted decoding crops a few); further back,
         the tokens that return to the BF16 window come back as they were stored in the history. Sliding-window layers
         must support the rollback."""
+        try:
+            tokens_to_remove = operator.index(tokens_to_remove)
+        except TypeError:
+            raise TypeError(f"{type(self).__name__}.crop takes a whole number of tokens, got {tokens_to_remove!r}") from None
         if tokens_to_remove > 0:
             raise ValueError(f"{type(self).__name__}.crop takes a negative number of tokens to remove, got "
                              f"{tokens_to_remove} (the positive absolute-length form is deprecated in transformers 5.x)")
@@ -645,6 +656,15 @@ class StaticOscarCache(OscarCache):
         if not self.fused_attention and hasattr(model, "config"):
             raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\": load the model with it or call "
                              "model.set_attn_implementation(\"oscar\")")
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        # called by a model's attention layer (transformers passes its kwargs dict): with any attention but "oscar",
+        # the mask covers max_cache_len positions and the keys only those stored, which fails deep inside torch
+        if not self.fused_attention and isinstance(kwargs.get("kwargs"), dict):
+            raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\", but the model now runs "
+                             f"{getattr(self._text_config, '_attn_implementation', None)!r}: call "
+                             "model.set_attn_implementation(\"oscar\") or use OscarCache")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _warn_layout_differs(config: OscarConfig, rotations: OscarRotations) -> None:

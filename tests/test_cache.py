@@ -265,6 +265,21 @@ def test_non_finite_states_are_refused():
         _cache().update(k, v, 0)
 
 
+def test_a_config_of_another_type_a_layer_beyond_the_model_and_a_fractional_crop_are_refused():
+    rot = OscarRotations.data_free(tiny_config("llama"), "hadamard")
+    with pytest.raises(TypeError, match="config must be an OscarConfig .*got dict .*OscarConfig.from_dict"):
+        OscarCache(tiny_config("llama"), rot, {"bits": 2})
+    k, v = _states(6)
+    cache = _cache()
+    with pytest.raises(ValueError, match="OscarCache has 3 layers, for the model it was built for; got layer 3"):
+        cache.update(k, v, 3)  # a deeper model than the cache's (it was an IndexError)
+    _feed(cache, k, v, [6])
+    with pytest.raises(TypeError, match="crop takes a whole number of tokens, got -2.5"):
+        cache.crop(-2.5)  # (the cache held 3.5 tokens after it)
+    cache.crop(torch.tensor(-2))
+    assert cache.get_seq_length() == 4
+
+
 def test_wrong_head_count_is_refused():
     k = torch.randn(1, 3, 5, D)
     with pytest.raises(ValueError, match="3 KV heads"):

@@ -189,6 +189,12 @@ def test_bad_use_is_refused_with_a_clear_message():
     with torch.no_grad(), pytest.raises(ValueError, match="this generate call may store 59"):
         model.generate(_ids(1, 40, 6), cache=cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert cache.get_seq_length() == 0  # nothing ran
+    # the model switched to another attention after the cache was built: refused at its first layer, not a mask of
+    # max_cache_len positions against the stored keys deep inside sdpa
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="StaticOscarCache needs attn_implementation=\"oscar\", "
+                                                          "but the model now runs 'sdpa'"):
+        model.generate(_ids(1, 10, 6), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def test_buffers_are_allocated_once_and_sized_by_the_layout():
