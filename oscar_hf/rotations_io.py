@@ -142,6 +142,8 @@ class OscarRotations:
             raise RotationFileError(f"key_wide_channels must map layers to lists of integers, "
                                     f"got {key_wide_channels!r}") from None
         self.metadata = dict(metadata or {})
+        if not isinstance(self.metadata.get("method", {}), dict):
+            raise RotationFileError(f"rotation metadata field 'method' must be an object, got {self.metadata['method']!r:.80}")
         self._check_consistency()
 
     # ------------------------------------------------------------------ accessors
@@ -447,6 +449,9 @@ class OscarRotations:
             meta = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
             raise RotationFileError(f"{config_path} is not valid JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise RotationFileError(f"{config_path} is not an OSCAR rotation file: it holds a JSON "
+                                    f"{type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT_NAME:
             raise RotationFileError(f"{config_path} is not an OSCAR rotation file (format={meta.get('format')!r})")
         version = meta.get("format_version")

@@ -219,6 +219,15 @@ def test_a_file_without_fingerprint_loads_with_a_warning(tmp_path, monkeypatch):
         rotations.check_fingerprint(model)
 
 
+def test_a_rotation_json_of_the_wrong_shape_is_named(tmp_path):
+    rewrite_rotation_file(tmp_path, _rotations(), lambda meta: meta.update(method="hadamard"))
+    with pytest.raises(RotationFileError, match="rotation metadata field 'method' must be an object, got 'hadamard'"):
+        OscarRotations.from_pretrained(tmp_path)  # (was an AttributeError when a cache checked the fingerprint)
+    (tmp_path / CONFIG_NAME).write_text("[1, 2]")
+    with pytest.raises(RotationFileError, match="is not an OSCAR rotation file: it holds a JSON list, not an object"):
+        OscarRotations.from_pretrained(tmp_path)
+
+
 def test_key_blocks_round_trip_and_are_checked(tmp_path):
     rot = _rotations()
     rot.key_blocks = {l: (32, 128) for l in rot.layers}
