@@ -676,6 +676,19 @@ class CalibrationReport:
         return "\n".join(lines)
 
 
+def _check_token_ids(model, sequences: list[torch.Tensor]) -> None:
+    """Refuses token ids beyond the model's input embeddings (a tokenizer of another model), which would otherwise
+    fail as an index error deep inside the embedding."""
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        return
+    top = max((int(s.max()) for s in sequences if s.numel()), default=-1)
+    if top >= rows:
+        raise ValueError(f"the tokenizer gives token id {top}, but the model's input embeddings have {rows} rows: "
+                         "is the tokenizer for another model?")
+
+
 def calibrate(
     model,
     tokenizer,
@@ -697,6 +710,9 @@ def calibrate(
     """
     config = config or OscarConfig()
     calibration = calibration or CalibrationConfig()
+    for name, value, kind in (("config", config, "an OscarConfig"), ("calibration", calibration, "a CalibrationConfig")):
+        if not isinstance(value, OscarConfig if name == "config" else CalibrationConfig):
+            raise TypeError(f"calibrate: {name} must be {kind} (or None), got {type(value).__name__}")
     calibration.check_for(config)
     check_attention_interface(model)
     geometry = model_geometry(model.config)
@@ -715,6 +731,7 @@ def calibrate(
         raise ValueError(f"CalibrationConfig.tokens {calibration.tokens} is less than one calibration sequence "
                          f"({seq_len} tokens, CalibrationConfig.sequence_length)")
     sequences, heldout, data_info = calibration_sequences(tokenizer, calibration, data)
+    _check_token_ids(model, sequences + heldout)
     used_tokens = sum(len(s) for s in sequences)
 
     collector = StatisticsCollector(geometry)

@@ -42,11 +42,15 @@ def load_texts(spec: str | Path | list[str] | None = None) -> tuple[list[str], d
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"calibration data {spec!r} is neither a file, 'default', nor 'hf:NAME[:CONFIG][:SPLIT][:COLUMN]'")
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix == ".jsonl":
-        docs = [_doc_text(json.loads(line), path) for line in raw.splitlines() if line.strip()]
+        docs = [_doc_text(_parse_json(line, path, number), path)
+                for number, line in enumerate(raw.splitlines(), 1) if line.strip()]
     elif path.suffix == ".json":
-        data = json.loads(raw)
+        data = _parse_json(raw, path)
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json calibration file must hold a list of strings or of {{'text': ...}} objects")
         docs = [_doc_text(item, path) for item in data]
@@ -56,6 +60,14 @@ def load_texts(spec: str | Path | list[str] | None = None) -> tuple[list[str], d
     if not docs:
         raise ValueError(f"{path}: no text found")
     return docs, {"source": str(path.resolve()), "sha256": hashlib.sha256(raw.encode()).hexdigest(), "documents": len(docs)}
+
+
+def _parse_json(text: str, path: Path, line: int | None = None):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"line {line}" if line is not None else f"line {e.lineno} column {e.colno}"
+        raise ValueError(f"{path}: not valid JSON at {where}: {e.msg}") from None
 
 
 def _doc_text(item, path: Path) -> str:

@@ -131,6 +131,23 @@ def test_bad_inputs_are_reported(text_file, tmp_path):
         calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
 
 
+def test_bad_data_files_wrong_configs_and_a_foreign_tokenizer_are_named(text_file, tmp_path):
+    model, tok = tiny_model("llama", attn="sdpa", vocab_size=50), char_tokenizer()
+    for name, text, message in (("bad.jsonl", '"fine"\n{oops}\n', "bad.jsonl: not valid JSON at line 2"),
+                                ("bad.json", "[1,", "bad.json: not valid JSON at line 1 column 4")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=message):
+            calibrate(model, tok, data=str(tmp_path / name), config=LAYOUT, calibration=CAL, progress=False)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt: not UTF-8 text"):
+        calibrate(model, tok, data=str(tmp_path / "latin1.txt"), config=LAYOUT, calibration=CAL, progress=False)
+    with pytest.raises(TypeError, match="calibrate: config must be an OscarConfig .*got CalibrationConfig"):
+        calibrate(model, tok, str(text_file), CAL, LAYOUT, progress=False)  # the two configs swapped
+    # the char tokenizer's ids exceed 50, which this model embeds (it was an IndexError inside the embedding)
+    with pytest.raises(ValueError, match=r"token id \d+, but the model's input embeddings have 50 rows"):
+        calibrate(model, tok, data=str(text_file), config=LAYOUT, calibration=CAL, progress=False)
+
+
 def test_jsonl_data_and_recorded_description(tmp_path):
     path = tmp_path / "calib.jsonl"
     path.write_text("\n".join(json.dumps({"text": TEXT[i : i + 2000]}) for i in range(0, 8000, 2000)))
