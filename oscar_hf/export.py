@@ -92,6 +92,11 @@ def export_sglang_oscar(
     `config`: the cache settings to reproduce (sink, window, group size, scale dtype, clip modes); default: the ones
     the rotations were calibrated with. Returns the written paths by role ("keys", "values", "env"). Raises
     `ExportError` (one line, naming the field) for rotations the engine cannot serve unchanged."""
+    if not isinstance(rotations, OscarRotations):
+        raise TypeError(f"export_sglang_oscar needs OscarRotations (OscarRotations.from_pretrained loads a folder), got "
+                        f"{type(rotations).__name__}")
+    if config is not None and not isinstance(config, OscarConfig):
+        raise TypeError(f"export_sglang_oscar: config must be an OscarConfig (or None), got {type(config).__name__}")
     config = config or calibration_config(rotations)
     for fitted_for in (rotations.layout["key_granularity"], config.key_granularity):
         if fitted_for != "token":

@@ -101,6 +101,13 @@ def test_what_the_engine_cannot_serve_is_refused(reference_rotations, tmp_path, 
     assert not (tmp_path / KEY_FILE).exists()  # nothing half-written
 
 
+def test_arguments_of_the_wrong_type_are_named(reference_rotations, tmp_path):
+    with pytest.raises(TypeError, match="export_sglang_oscar needs OscarRotations .*got str"):
+        export_sglang_oscar(str(reference_rotations), tmp_path)  # (was an AttributeError)
+    with pytest.raises(TypeError, match="config must be an OscarConfig .*got dict"):
+        export_sglang_oscar(OscarRotations.from_pretrained(reference_rotations), tmp_path, config={"bits": 2})
+
+
 def test_an_explicit_clip_resolves_per_layer_fits(reference_rotations, tmp_path, capsys):
     rotations = OscarRotations.from_pretrained(reference_rotations)
     rotations = _edited(rotations, key_clips={layer: 0.7 + 0.1 * i for i, layer in enumerate(rotations.layers)})
