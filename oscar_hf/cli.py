@@ -267,6 +267,18 @@ def cmd_demo(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ parser
+def _positive_int(text: str) -> int:
+    """An argparse type: a count that must be at least 1 (checked when the command line is read, not after a model
+    has loaded or calibrated)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _common_options() -> argparse.ArgumentParser:
     """--quiet and --debug, accepted by every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
@@ -319,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file instead")
     p.add_argument("--no-chat", action="store_true",
                    help="use the prompt as plain text (by default it goes into the tokenizer's chat template, if any)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--config", default=None,
                    help="OscarConfig as a YAML or JSON file (fields such as sink_tokens, window_tokens, bits, key_clip, "
                         "value_clip)")
@@ -337,10 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8192,
                    help="calibration tokens, in whole sequences of 2048 (fewer than one sequence is refused)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help=dtype_help)
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="length of the essay prompt for generation")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated greedily")
-    p.add_argument("--long-tokens", type=int, default=8000, help="prefill length of the memory measurement")
-    p.add_argument("--ppl-sequences", type=int, default=3, help="2048-token sequences in the perplexity check")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=1024, help="length of the essay prompt for generation")
+    p.add_argument("--new-tokens", type=_positive_int, default=64, help="tokens generated greedily")
+    p.add_argument("--long-tokens", type=_positive_int, default=8000, help="prefill length of the memory measurement")
+    p.add_argument("--ppl-sequences", type=_positive_int, default=3, help="2048-token sequences in the perplexity check")
     p.set_defaults(func=cmd_demo)
 
     from .export import FORMATS

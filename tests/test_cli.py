@@ -139,6 +139,18 @@ def test_bad_values_and_files_are_one_line(model_dir, tmp_path, capsys):
         capsys, [*gen, "--prompt", "hi", "--rotations", str(rot)])
 
 
+def test_counts_below_one_are_refused_when_the_command_line_is_read(capsys):
+    """Before, generate --max-new-tokens 0 failed after the model loaded, demo --new-tokens 0 after minutes of
+    calibration."""
+    for argv, option in ((["generate", "--model", "m", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+                         (["demo", "--new-tokens", "-1"], "--new-tokens"), (["demo", "--ppl-sequences", "0"],
+                                                                              "--ppl-sequences")):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 2
+        assert f"argument {option}: must be a positive integer" in capsys.readouterr().err
+
+
 def test_no_rotations_beside_the_model_says_what_to_do(model_dir, capsys):
     line = _error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--dtype", "float32"])
     assert "none beside the model" in line and "oscar-hf calibrate" in line
