@@ -443,6 +443,7 @@ class OscarCache(Cache):
 
     layer_class = OscarLayer
     sliding_layer_class = DynamicSlidingWindowLayer
+    needs_fused_attention = False  # whether only the "oscar" attention can read it (it also dequantizes for others)
 
     def __init__(self, model, rotations: OscarRotations, config: OscarConfig | None = None,
                  max_cache_len: int | None = None, allow_other_weights: bool = False):
@@ -539,12 +540,19 @@ class OscarCache(Cache):
             self.plan.advance(key_states.shape[2])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        attention_kwargs = kwargs.get("kwargs")  # transformers >= 5.24: the dict the attention call receives
+        attention_kwargs = attention_kwargs if isinstance(attention_kwargs, dict) else None
+        fused = self.fused_attention
+        if self.needs_fused_attention and not fused and attention_kwargs is not None:
+            # another attention's mask covers max_cache_len positions and the keys only those stored: it would fail
+            # deep inside torch
+            raise ValueError(f"{type(self).__name__} needs attn_implementation=\"oscar\", but the model now runs "
+                             f"{getattr(self._text_config, '_attn_implementation', None)!r}: call "
+                             "model.set_attn_implementation(\"oscar\") or use OscarCache")
         self._begin_pass(key_states, layer_idx)
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer):
-            attention_kwargs = kwargs.get("kwargs")  # transformers >= 5.24: the dict the attention call receives
-            return layer.update(key_states, value_states, fused=self.fused_attention,
-                                attention_kwargs=attention_kwargs if isinstance(attention_kwargs, dict) else None)
+            return layer.update(key_states, value_states, fused=fused, attention_kwargs=attention_kwargs)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
@@ -647,24 +655,16 @@ class StaticOscarCache(OscarCache):
 
     layer_class = StaticOscarLayer
     sliding_layer_class = StaticSlidingWindowLayer
+    needs_fused_attention = True
 
     def __init__(self, model, rotations, config=None, max_cache_len: int | None = None,
                  allow_other_weights: bool = False):
         if max_cache_len is None:
             raise ValueError("StaticOscarCache needs max_cache_len, a positive number of tokens")
         super().__init__(model, rotations, config, max_cache_len=max_cache_len, allow_other_weights=allow_other_weights)
-        if not self.fused_attention and hasattr(model, "config"):
+        if self.needs_fused_attention and not self.fused_attention and hasattr(model, "config"):
             raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\": load the model with it or call "
                              "model.set_attn_implementation(\"oscar\")")
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        # called by a model's attention layer (transformers passes its kwargs dict): with any attention but "oscar",
-        # the mask covers max_cache_len positions and the keys only those stored, which fails deep inside torch
-        if not self.fused_attention and isinstance(kwargs.get("kwargs"), dict):
-            raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\", but the model now runs "
-                             f"{getattr(self._text_config, '_attn_implementation', None)!r}: call "
-                             "model.set_attn_implementation(\"oscar\") or use OscarCache")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _warn_layout_differs(config: OscarConfig, rotations: OscarRotations) -> None:
