@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import graphs, ops
 from .config import OscarConfig
 from .format import LayerFormat, resolve
-from .models import check_attention_interface, kv_head_shards, text_config
+from .models import attention_without_cache_kwargs, check_attention_interface, kv_head_shards, text_config
 from .ops import DecodeBuffers, Segments
 from .positions import PositionPlan
 from .quant import dequantize
@@ -206,7 +206,7 @@ class OscarLayer(CacheLayerMixin):
         """History rows for `length` tokens (growable layers; a fixed one was allocated for max_cache_len)."""
         if length is not None and length - self.plan.sink > self.storage.capacity:
             self.storage.grow(length - self.plan.sink)
-            self.graphs.clear()  # captured over the old buffers
+            self.graphs.drop(self._graph_key)  # this layer's graphs captured its old buffers; the others' stay
             self._graph_key = None
 
     def _store_token(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -347,21 +347,18 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         pass  # the cache resets its plan; the buffers are overwritten as tokens arrive
 
-    def restore_window(self, high_water: int, keep: int) -> None:
-        """Before the plan goes back to `keep` tokens: the ring slots of the shorter sequence's recent positions that
-        later tokens overwrote (those more than R behind the longest the sequence has been, `high_water`) get those
-        positions back from the history, as they were stored."""
-        plan, st = self.plan, self.storage
-        first, last = plan.recent_positions(keep)
-        overwritten_until = min(last, high_water - plan.ring)
-        if not self.is_initialized or overwritten_until <= first:
+    def restore_window(self, positions: list[int]) -> None:
+        """Writes `positions` (ascending, recent again after a crop, their ring slots overwritten by later tokens)
+        back into their ring slots from the history, as it stores them."""
+        if not positions or not self.is_initialized:
             return
-        rows = slice(first - plan.sink, overwritten_until - plan.sink)
-        chunk = st.keys.fmt.chunk
-        k0 = rows.start // chunk * chunk
-        keys = st.keys.dequantize(k0, rows.stop, self.dtype)[:, :, rows.start - k0 :]
-        values = st.values.dequantize(rows.start, rows.stop, self.dtype)
-        slots = plan.slots(first, overwritten_until, self.device)
+        plan, st = self.plan, self.storage
+        rows = torch.tensor(positions, device=self.device) - plan.sink
+        lo, hi = positions[0] - plan.sink, positions[-1] - plan.sink + 1
+        k0 = lo // st.keys.fmt.chunk * st.keys.fmt.chunk  # channel-wise keys dequantize from a chunk's first row
+        keys = st.keys.dequantize(k0, hi, self.dtype).index_select(2, rows - k0)
+        values = st.values.dequantize(lo, hi, self.dtype).index_select(2, rows - lo)
+        slots = rows % plan.ring
         st.ring_keys.index_copy_(2, slots, keys)
         st.ring_values.index_copy_(2, slots, values)
 
@@ -570,10 +567,11 @@ class OscarCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the `-tokens_to_remove` newest tokens (negative argument, as transformers 5.x). The state becomes
-        that of a cache never given them while the ring still holds the shorter sequence's recent window: within
-        demotion_block + 1 tokens of the longest the sequence has been (assisted decoding crops a few); further back,
-        the tokens that return to the BF16 window come back as they were stored in the history. Sliding-window layers
-        must support the rollback."""
+        that of a cache never given them, except for recent tokens whose ring slots later tokens overwrote (a token
+        R = window_tokens + 2·demotion_block or more positions later was stored after it): those come back to the
+        BF16 window as the history stored them. There are none while the sequence stays within demotion_block + 1
+        tokens of the longest it has been since the last reset (assisted decoding). Sliding-window layers must
+        support the rollback."""
         try:
             tokens_to_remove = operator.index(tokens_to_remove)
         except TypeError:
@@ -587,20 +585,43 @@ class OscarCache(Cache):
         if stuck:
             raise ValueError(f"{type(self).__name__} cannot crop: its sliding-window layers {stuck} no longer hold the "
                              "tokens a rollback needs (transformers' static sliding windows keep only the window)")
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized and layer.keys is not None:
+                # transformers' layer keeps its last w − 1 tokens, or every token since the last crop while it records
+                # the past; a crop of r needs w − 1 + r of them, else it silently keeps fewer
+                held, seen, window = layer.keys.shape[-2], layer.get_seq_length(), layer.sliding_window
+                if seen >= window and held < min(seen, window - 1 + -tokens_to_remove):
+                    raise ValueError(f"{type(self).__name__} cannot remove {-tokens_to_remove} tokens: sliding-window "
+                                     f"layer {i} holds only its last {held} (crop after each forward pass, as "
+                                     "assisted decoding does)")
         length = self.plan.current_length()
         keep = max(0, length + tokens_to_remove)
         for layer in self.layers:  # sliding layers first: they may refuse, and then nothing has changed
             if not isinstance(layer, OscarLayer):
                 layer.crop(tokens_to_remove)
-        high_water = self.plan.high_water = max(self.plan.high_water, length)
+        lost = self.plan.rollback(keep)
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
-                layer.restore_window(high_water, keep)
-        self.plan.set_length(keep, rollback=True)
+                layer.restore_window(lost)
 
     def reset(self) -> None:
         super().reset()
-        self.plan.set_length(0)
+        self.plan.reset()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._check_batch_change("batch_repeat_interleave")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._check_batch_change("batch_select_indices")
+        super().batch_select_indices(indices)
+
+    def _check_batch_change(self, name: str) -> None:
+        """Refuses a batch change that some layer cannot make, before any layer changes."""
+        stuck = [i for i, layer in enumerate(self.layers) if not hasattr(layer, name)]
+        if stuck:
+            raise ValueError(f"{type(self).__name__} cannot change its batch size: its sliding-window layers {stuck} "
+                             f"({type(self.layers[stuck[0]]).__name__}) have no {name}; use OscarCache")
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.get_max_length(layer_idx)
@@ -665,6 +686,11 @@ class StaticOscarCache(OscarCache):
         if self.needs_fused_attention and not self.fused_attention and hasattr(model, "config"):
             raise ValueError("StaticOscarCache needs attn_implementation=\"oscar\": load the model with it or call "
                              "model.set_attn_implementation(\"oscar\")")
+        attention = attention_without_cache_kwargs(model) if hasattr(model, "named_modules") else None
+        if attention is not None:
+            raise ValueError(f"StaticOscarCache needs an attention that hands cache.update its kwargs, and {attention} "
+                             "does not (the \"oscar\" attention would get no stored history): use OscarCache, which "
+                             "returns the history dequantized to this model's attention")
 
 
 def _warn_layout_differs(config: OscarConfig, rotations: OscarRotations) -> None:

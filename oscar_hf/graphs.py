@@ -111,6 +111,11 @@ class DecodeGraphs:
     def clear(self) -> None:
         self.calls.clear()
 
+    def drop(self, owner) -> None:
+        """Drops the graphs whose key begins with `owner` (one layer's, captured over buffers it replaced)."""
+        for full in [full for full in self.calls if full[0][0] == owner]:
+            del self.calls[full]
+
 
 def signature(*tensors: torch.Tensor | None) -> tuple:
     """What a graph over these tensors depends on: shape, dtype and strides of each (None stays None)."""

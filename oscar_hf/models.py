@@ -137,6 +137,25 @@ def check_attention_interface(model) -> None:
         )
 
 
+def attention_without_cache_kwargs(model) -> str | None:
+    """The class name of the model's attention when its forward calls `cache.update(..., self.layer_idx)` without
+    handing over the kwargs it gives the attention function (`kwargs=kwargs`; GPT-NeoX's in transformers 5.x), else
+    None (also where the source cannot be read). Through those kwargs the fused "oscar" attention gets what the
+    cache stored; without them a cache can only return dequantized states."""
+    import inspect
+    import re
+
+    module = next(iter(decoder_attention(model).values()), (None, None))[1]
+    if module is None:
+        return None
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    updates = [call for call in re.findall(r"\.update\(([^()]*)\)", source) if "layer_idx" in call]
+    return type(module).__name__ if updates and not any("kwargs" in call for call in updates) else None
+
+
 # Children of an attention module that project its output (not part of what keys/queries/values are made from).
 OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj", "wo")
 

@@ -297,10 +297,10 @@ def decode_attention_reference(
         `out [B, H, M, d]` in q.dtype (rows with no visible key: 0).
     """
     b = buffers
-    # the rows both histories hold, in whole chunks of each (a growable cache rounds each stream's capacity to its
-    # own chunk, so keys and values may hold different numbers of rows; n_hist fits in both)
-    unit = math.lcm(fmt.keys.chunk, fmt.values.chunk)
-    capacity = min(b.key_codes.shape[2], b.value_codes.shape[2]) // unit * unit
+    capacity = b.key_codes.shape[2]  # both histories hold the same rows, whole chunks of each (storage.py)
+    if b.value_codes.shape[2] != capacity:
+        raise ValueError(f"the key and value histories hold {capacity} and {b.value_codes.shape[2]} rows: a layer's "
+                         "streams share one capacity")
     hist = [dequantize(Packed(codes[:, :, :capacity], None if meta is None else
                               meta[:, : capacity // stream.chunk] if stream.channelwise else meta[:, :, :capacity],
                               stream))

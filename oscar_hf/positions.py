@@ -8,10 +8,9 @@ With S sink tokens, a window of W tokens and demotion blocks of b tokens, after 
 
 so the window demotes its oldest b tokens whenever it reaches W + b. The recent tokens live in a ring of
 R = W + 2b slots, position p >= S at slot (p − S) mod R: the ring also holds the b + 1 tokens before the window,
-so `crop` can roll back exactly (assisted decoding): the state after a crop is the state of a run that never saw the
-removed tokens, as long as the shorter sequence's window lies within R tokens of the longest the sequence has been
-(`high_water`). Ring slots of positions more than R behind it were overwritten by later tokens; a crop that needs
-them takes them back from the history, as stored.
+so `crop` can roll back exactly (assisted decoding). After a crop, a position that is recent again is read from its
+ring slot if the slot still holds it, and otherwise (a position R or more later was stored after it) from the
+history, as stored: `ring_positions` records which position each slot holds.
 
 Values (and token-wise keys) get their history row when they arrive (row p − S), channel-wise key blocks when they
 complete (from the ring): attention reads a history row only once n_hist covers it, so both are invisible until the
@@ -36,8 +35,9 @@ class PositionPlan:
         sink, window, block, ring: S, W, b and R = W + 2b.
         max_length: the most tokens the cache may hold (None: unbounded).
         host_length: L as a Python int, or None while only the device knows it (after compiled decode steps).
-        high_water: the most tokens held since the last reset, as far as the host knows (crops leave it): ring slots
-            of positions below high_water − R hold later tokens, or what the history stores.
+        ring_positions: the position each ring slot holds (−1: none), as of `recorded` tokens: the tokens
+            [recorded, L) were stored in order since (a compiled step advances only the device's L), so the record is
+            brought up to date when a crop needs it.
         host_start: L before the current pass, on the host (None after a compiled step).
         length, start: int64 device scalars: L after and before the current pass.
         lengths: int32 `[5]` on the device for the decode attention: (n_sink, n_hist, n_recent, ring_lo, q_start),
@@ -51,7 +51,8 @@ class PositionPlan:
         self.ring = window + 2 * block
         self.host_length: int | None = 0
         self.host_start: int | None = None
-        self.high_water = 0
+        self.ring_positions = [-1] * self.ring
+        self.recorded = 0
         self.length = torch.zeros((), dtype=torch.int64)
         self.start = torch.zeros((), dtype=torch.int64)
         self.lengths = torch.zeros(5, dtype=torch.int32)
@@ -136,10 +137,26 @@ class PositionPlan:
             due = (k >= 0) & (excess % b == 0)
             self.write_rows.copy_(torch.stack([torch.where(pos < s, -1, pos - s), torch.where(due, k * b, -1)]))
 
-    def set_length(self, length: int, rollback: bool = False) -> None:
-        """L becomes `length`: a reset (the ring holds nothing older), or a `rollback` (crop: it keeps what it held)."""
-        if not rollback:
-            self.high_water = length
+    def rollback(self, keep: int) -> list[int]:
+        """L goes back to `keep` tokens (crop). Returns the positions that become recent again whose ring slots later
+        tokens overwrote: the layers write them back from the history (as stored), and the ring holds them again."""
+        length = self.current_length()
+        for p in range(max(self.recorded, self.sink, length - self.ring), length):
+            self.ring_positions[(p - self.sink) % self.ring] = p
+        first, last = self.recent_positions(keep)
+        lost = [p for p in range(first, last) if self.ring_positions[(p - self.sink) % self.ring] != p]
+        for p in lost:
+            self.ring_positions[(p - self.sink) % self.ring] = p
+        self._set_length(keep)
+        return lost
+
+    def reset(self) -> None:
+        """No tokens: nothing in the ring."""
+        self.ring_positions = [-1] * self.ring
+        self._set_length(0)
+
+    def _set_length(self, length: int) -> None:
+        self.recorded = length
         self.length.fill_(length)
         self.start.fill_(length)
         self.host_length, self.host_start = length, None

@@ -11,6 +11,7 @@ storage holds no lengths and makes no decisions: the position plan says what is 
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -53,16 +54,11 @@ class QuantizedHistory:
         return codes, meta
 
     def allocate(self, batch: int, capacity: int, dtype: torch.dtype, device) -> None:
-        """Zero-filled buffers for `capacity` rows (rounded up to whole chunks)."""
-        chunk = self.fmt.chunk
-        self.codes, self.meta = self._empty(batch, -(-capacity // chunk) * chunk, dtype, device)
+        """Zero-filled buffers for `capacity` rows (whole chunks: `LayerStorage` gives both streams one capacity)."""
+        self.codes, self.meta = self._empty(batch, capacity, dtype, device)
 
-    def grow(self, needed: int) -> None:
-        """At least `needed` rows, keeping the rows already written (geometric growth)."""
-        if needed <= self.capacity:
-            return
-        chunk = self.fmt.chunk
-        capacity = -(-(needed + max(_MIN_GROWTH, needed // 8)) // chunk) * chunk
+    def resize(self, capacity: int) -> None:
+        """Buffers for `capacity` rows (whole chunks, at least as many as now), keeping the rows already written."""
         codes, meta = self._empty(self.codes.shape[0], capacity, self.codes.dtype, self.codes.device)
         codes.narrow(2, 0, self.codes.shape[2]).copy_(self.codes)
         if meta is not None:
@@ -129,21 +125,31 @@ class LayerStorage:
         self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
 
     def allocate(self, like: torch.Tensor, capacity: int) -> None:
-        """Zero-filled buffers with the batch, dtype and device of `like` `[B, H, n, d]`, the histories for
+        """Zero-filled buffers with the batch, dtype and device of `like` `[B, H, n, d]`, the histories for at least
         `capacity` rows."""
         b, h, _, d = like.shape
         self.sink_keys, self.sink_values = (like.new_zeros(b, h, self.sink_size + 1, d) for _ in range(2))
         self.ring_keys, self.ring_values = (like.new_zeros(b, h, self.ring_size + 1, d) for _ in range(2))
         for history in (self.keys, self.values):
-            history.allocate(b, capacity, like.dtype, like.device)
+            history.allocate(b, self._whole_chunks(capacity), like.dtype, like.device)
+
+    def _whole_chunks(self, rows: int) -> int:
+        """`rows` rounded up to whole chunks of both streams: keys and values always hold the same number of rows,
+        since a token's value row is written when it arrives and its key row when its block completes."""
+        unit = math.lcm(self.fmt.keys.chunk, self.fmt.values.chunk)
+        return -(-rows // unit) * unit
 
     @property
     def capacity(self) -> int:
+        """History rows, the same in both streams."""
         return self.keys.capacity
 
     def grow(self, rows: int) -> None:
-        for history in (self.keys, self.values):
-            history.grow(rows)
+        """At least `rows` history rows in both streams, keeping those written (geometric growth)."""
+        if rows > self.capacity:
+            capacity = self._whole_chunks(rows + max(_MIN_GROWTH, rows // 8))
+            for history in (self.keys, self.values):
+                history.resize(capacity)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the layer writes (what a captured step depends on)."""

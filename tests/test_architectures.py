@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, PhiConfig
 
 from conftest import VOCAB, char_tokenizer
-from oscar_hf import OscarCache, OscarConfig, OscarRotations, models
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache, models
 from oscar_hf.cli import main
 from oscar_hf.models import TESTED_MODEL_TYPES, model_geometry
 from test_calibrate import TEXT
@@ -22,6 +22,15 @@ def tiny_gpt2(positions: int = 1024, attn: str = "oscar"):
             if name.endswith("c_attn.weight"):
                 p.mul_(4.0)
     return model
+
+
+def tiny_neox(seed: int = 0, attn: str = "sdpa"):
+    from transformers import GPTNeoXConfig
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, rotary_pct=0.25, bos_token_id=1, eos_token_id=2), attn_implementation=attn).eval()
 
 
 def test_an_untested_model_type_warns_once_naming_the_list(monkeypatch):
@@ -143,17 +152,9 @@ def test_gpt_neox_rotations_carry_a_fingerprint_that_verifies(tmp_path, capsys):
     """Guards (15): GPT-NeoX's fused `query_key_value` is fingerprinted, so rotations just written by `oscar-hf
     calibrate` are not said to "record no weight fingerprint (recalibrate with `oscar-hf calibrate`)", and other
     weights of the same shapes are refused."""
-    from transformers import GPTNeoXConfig
-
-    def neox(seed):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(GPTNeoXConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=512, rotary_pct=0.25, bos_token_id=1, eos_token_id=2), attn_implementation="sdpa")
-
     folder, other = tmp_path / "neox", tmp_path / "other"
     for path, seed in ((folder, 0), (other, 1)):
-        neox(seed).save_pretrained(path)
+        tiny_neox(seed).save_pretrained(path)
         char_tokenizer().save_pretrained(path)
     data = tmp_path / "calib.txt"
     data.write_text(TEXT * 2)
@@ -167,3 +168,24 @@ def test_gpt_neox_rotations_carry_a_fingerprint_that_verifies(tmp_path, capsys):
     assert "fingerprint" not in capsys.readouterr().err
     assert main(["generate", "--model", str(other), "--rotations", str(folder / "oscar"), *gen]) == 2
     assert "calibrated on other weights" in capsys.readouterr().err
+
+
+def test_gpt_neox_takes_oscar_cache_and_refuses_a_static_one_when_it_is_built():
+    """GPT-NeoX's attention calls `cache.update` without the kwargs it gives the attention function, so the fused
+    "oscar" attention gets no stored history from it: `OscarCache` returns the history dequantized (without
+    quantization, the same logits as DynamicCache), and `StaticOscarCache`, which only the fused attention can read,
+    is refused in one line when it is built (it failed inside sdpa at the first decode step)."""
+    model = tiny_neox(attn="oscar")
+    rotations = OscarRotations.data_free(model, "hadamard")
+    with pytest.raises(ValueError, match="GPTNeoXAttention does not .* use OscarCache"):
+        StaticOscarCache(model, rotations, max_cache_len=64)
+    cache = OscarCache(model, rotations, OscarConfig(bits=16, sink_tokens=4, window_tokens=8, key_clip="none",
+                                                     value_clip="none"))
+    reference = DynamicCache(config=model.config)
+    ids = torch.randint(3, VOCAB, (1, 44), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids[:, :40], cache=cache)
+        model(ids[:, :40], cache=reference)
+        for t in range(40, 44):
+            torch.testing.assert_close(model(ids[:, t : t + 1], cache=cache).logits,
+                                       model(ids[:, t : t + 1], cache=reference).logits, atol=1e-5, rtol=1e-5)

@@ -110,7 +110,7 @@ def test_the_bf16_emulating_twin_rounds_the_probabilities_only():
     dict(bits=16, chunk=0),                                               # a 16-bit history
     dict(n_hist=0, n_recent=7, ring_lo=0),                                # no history yet
     dict(mask=False),
-    dict(value_rows=171),  # a grown cache: each stream's rows rounded to its own chunk, fewer value rows than key rows
+    dict(value_rows=171),  # streams of different capacities (a layer's share one): refused
 ])
 def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(case):
     """Eager on the CPU, `decode_attention` reads the lengths on the host and attends to the stored tokens only:
@@ -145,6 +145,10 @@ def test_the_host_decode_reads_the_stored_tokens_as_the_branch_free_twin_does(ca
     args = (rnd(b, h, g, d).to(torch.bfloat16), ops.DecodeBuffers(sink_k, sink_v, hk.codes, hk.meta, hv.codes, hv.meta,
                                                                   ring_k, ring_v),
             LayerFormat(keys, values), key_mask, lengths, 1, d ** -0.5, rotation)
+    if case["value_rows"]:
+        with pytest.raises(ValueError, match="share one capacity"):
+            ops.decode_attention_reference(*args)
+        return
     out = ops.decode_attention(*args)
     ref = ops.decode_attention_reference(*args)
     assert torch.equal(out, ops.decode_attention_host(*args))

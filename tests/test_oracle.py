@@ -1,233 +1,26 @@
-"""OscarCache and StaticOscarCache against an independent oracle: plain eager attention over keys/values that an oracle
-cache, written here from the storage format's description alone (docs/storage-format.md, the docstrings of
-oscar_hf/format.py and oscar_hf/quant.py), has replaced by their stored versions. The oracle shares no code with the
-cache: its quantizer is written below in plain torch (nothing of `oscar_hf.quant`, `oscar_hf.storage` or
-`oscar_hf.ops` is imported), and it never reads the cache's formats, segments, views or kernels.
-
-The specification, with sink S, window W, demotion block b and ring R = W + 2b:
-
-- After n tokens the history holds the positions [S, S + h(n)), h(n) = max(0, floor((n − S − W) / b))·b; every
-  other position is read from the BF16 sink and window, rotated (k·R_K, v·R_V), exactly. With key means, every key
-  is k − μ (subtracted in float32) before anything else.
-- Values (and token-wise keys) are quantized token-wise when they arrive, and read from that row once the history
-  covers them. Channel-wise keys are quantized when their demotion block enters the history, from what the window
-  holds then.
-- A forward pass sees its own tokens exactly and earlier tokens as stored after the pass's demotions.
-- A crop from n to m tokens makes the history [S, S + h(m)); the positions that return to the window are exact where
-  they were among the last R positions before the crop (the BF16 ring), and as stored in the history otherwise.
-- A beam reorder permutes the batch of everything.
-
-The quantizer: asymmetric, a (scale, minimum) per group, s = (max − min)/(2^b − 1) and m = min, both rounded to
-float16 before the codes c = clamp(round_half_even((x − m)/s), 0, 2^b − 1) are computed; x̂ = c·s + m.
-- Token-wise rows (values; the paper's keys) are first clamped to ±τ, τ = sort(|x|)[floor(r·d)] (no clip when
-  floor(r·d) = d), then quantized per group of `group_size` channels.
-- Channel-wise keys: per channel over each block of `key_blocks[h]` tokens of head h.
-- A wide (4-bit) head: 4-bit codes whose scale s is bounded by a quarter of the float16 range (the stored scale is
-  4·s); c = 4·h + l is read as x̂ = h·(4s) + m + l·s.
-- Wide key channels (n of them, in a 2-bit head): channels 0..n−1 at 4 bits as above, channels d−n..d−1 replaced by
-  their block mean (summed exactly, divided, rounded to float32 and then to float16, as the kernel computes it), the
-  others at 2 bits.
-
-Checked at every step, with every layer of the oracle's model fed the input the cache's model gave that layer
-(teacher forcing: both sides then see the same queries, keys and values in every layer): every layer's stored states
-(sink | dequantized history | window) are bit-identical to the oracle's, every layer's attention output agrees to
-float32 rounding, and so do the logits. Also here: states crafted to reach the quantizer's edges (ties, saturated
-scales, constant groups), the block mean's rounding, and consecutive crops.
+"""OscarCache and StaticOscarCache against the independent oracle of tests/oracle.py (its docstring is the
+specification), through a model: plain eager attention over keys/values that the oracle cache has replaced by their
+stored versions. Checked at every step, with every layer of the oracle's model fed the input the cache's model gave
+that layer (teacher forcing: both sides then see the same queries, keys and values in every layer): every layer's
+stored states (sink | dequantized history | window) are bit-identical to the oracle's, every layer's attention output
+agrees to float32 rounding, and so do the logits. Also here: states crafted to reach the quantizer's edges (ties,
+saturated scales, constant groups), the block mean's rounding, and consecutive crops. Random operation sequences:
+tests/test_cache_state_machine.py.
 """
-
-from fractions import Fraction
-from math import floor
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from conftest import VOCAB, tiny_model
+from oracle import F16_MAX, OracleCache, OracleLayer, Spec, clip, fake_quantize, fake_quantize_tokens
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
 
-F16 = torch.float16
-F16_MAX, F16_TINY = torch.finfo(F16).max, torch.finfo(F16).tiny
 S, W, B = 4, 8, 16  # sink, window, demotion block: R = 40 ring slots
 MAX_LEN = 128  # StaticOscarCache's max_cache_len
 
 
-# --------------------------------------------------------------------------------------------- the spec's quantizer
-def _fake_quantize(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
-    """Asymmetric quantize -> dequantize of float32 `x` with one (scale, minimum) over `dim`. 4 bits: a wide head's
-    code, stored as two 2-bit planes under the scale 4·s (s bounded so that 4·s stays within float16)."""
-    levels = (1 << bits) - 1
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    top = F16_MAX / 4 if bits == 4 else F16_MAX
-    # a group of equal values gets the smallest normal scale (no division by zero); random data never has one
-    scale = ((hi - lo) / levels).clamp(min=F16_TINY, max=top).to(F16).float()
-    minimum = lo.clamp(-F16_MAX, F16_MAX).to(F16).float()
-    codes = torch.round((x - minimum) / scale).clamp(0, levels)
-    if bits == 2:
-        return codes * scale + minimum
-    assert bits == 4
-    high, low = torch.div(codes, 4, rounding_mode="floor"), codes % 4
-    stored = scale * 4  # the high plane's scale, exact
-    return (high * stored + minimum) + low * (stored / 4)
-
-
-def _clip(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Each row clamped to ±τ, τ = sort(|x|)[floor(r·d)] (r·d in exact arithmetic)."""
-    d = x.shape[-1]
-    k = floor(Fraction(str(ratio)) * d)
-    if k >= d:
-        return x
-    tau = x.abs().sort(dim=-1).values[..., k : k + 1]
-    return torch.minimum(torch.maximum(x, -tau), tau)
-
-
-def fake_quantize_tokens(x: torch.Tensor, bits: int, group: int, clip: float) -> torch.Tensor:
-    """Token-wise rows `[..., d]`: clip, then one (scale, minimum) per group of `group` channels."""
-    d = x.shape[-1]
-    rows = _clip(x.float(), clip)
-    out = _fake_quantize(rows.reshape(*x.shape[:-1], d // group, group), -1, bits)
-    return out.reshape(x.shape)
-
-
-def fake_quantize_key_block(x: torch.Tensor, bits: int, wide_channels: int) -> torch.Tensor:
-    """One channel-wise key block `[B, block, d]` of one head: per channel over the block's tokens."""
-    x = x.float()
-    out = _fake_quantize(x, 1, bits)
-    n, d = wide_channels, x.shape[-1]
-    if n:
-        out[..., :n] = _fake_quantize(x[..., :n], 1, 4)
-        mean = x[..., d - n :].double().sum(1, keepdim=True) / x.shape[1]  # exact for these float32 keys
-        out[..., d - n :] = mean.float().clamp(-F16_MAX, F16_MAX).to(F16).float().expand(-1, x.shape[1], -1)
-    return out
-
-
-def _rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x·R per KV head (`[B, H, n, d]`, `[H, d, d]`), as one batched product (so that the first layer's rotated
-    states are the same floats as the cache's)."""
-    if x.shape[0] == 1:
-        return torch.matmul(x[0], rotation).unsqueeze(0)
-    return torch.einsum("bhnd,hde->bhne", x, rotation)
-
-
-# --------------------------------------------------------------------------------------------- the oracle cache
-class Spec:
-    """One layer's layout, as the test hands it to the rotation file: per-head key blocks, head bits, wide key
-    channels, clips, group size and granularity."""
-
-    def __init__(self, heads, head_dim, granularity="channel", blocks=None, head_bits=None, wide_channels=None,
-                 key_clip=1.0, value_clip=1.0, group=None):
-        self.heads, self.d, self.granularity = heads, head_dim, granularity
-        self.blocks = tuple(blocks or (B,) * heads)
-        self.head_bits = tuple(head_bits or (2,) * heads)
-        self.wide_channels = tuple(wide_channels or (0,) * heads)
-        self.key_clip, self.value_clip, self.group = key_clip, value_clip, group or head_dim
-
-
 def history(n: int) -> int:
     return max(0, (n - S - W) // B) * B
-
-
-class OracleLayer:
-    """Per token: what the BF16 sink/window holds for it (`win_*`, rotated) and what the history holds for it
-    (`hist_*`, dequantized; NaN until it was quantized), and h, the tokens in the history."""
-
-    def __init__(self, key_rotation, value_rotation, key_mean, spec: Spec):
-        self.rk, self.rv, self.mean, self.spec = key_rotation, value_rotation, key_mean, spec
-        self.win_k = self.win_v = self.hist_k = self.hist_v = None
-        self.h = 0
-
-    @property
-    def length(self) -> int:
-        return 0 if self.win_k is None else self.win_k.shape[2]
-
-    def _tokens(self, x, clip):
-        """Token-wise rows `[B, H, n, d]` of this layer's heads (wide heads at 4 bits)."""
-        return torch.stack([fake_quantize_tokens(x[:, h], bits, self.spec.group, clip)
-                            for h, bits in enumerate(self.spec.head_bits)], 1)
-
-    def _key_blocks(self, x):
-        """Channel-wise key chunks `[B, H, n, d]` (n whole demotion blocks), each head in its own key blocks."""
-        out = torch.empty_like(x)
-        for h, (block, bits, n) in enumerate(zip(self.spec.blocks, self.spec.head_bits, self.spec.wide_channels)):
-            for t in range(0, x.shape[2], block):
-                out[:, h, t : t + block] = fake_quantize_key_block(x[:, h, t : t + block], bits, n)
-        return out
-
-    def _read(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `tokens` positions as attention reads them now (rotated): sink, history, window."""
-        hist_end = min(S + self.h, tokens)
-        k = torch.cat([self.win_k[:, :, :S], self.hist_k[:, :, S:hist_end], self.win_k[:, :, hist_end:tokens]], 2)
-        v = torch.cat([self.win_v[:, :, :S], self.hist_v[:, :, S:hist_end], self.win_v[:, :, hist_end:tokens]], 2)
-        return k[:, :, :tokens], v[:, :, :tokens]
-
-    def stored(self):
-        return self._read(self.length)
-
-    def update(self, k, v):
-        spec = self.spec
-        if self.mean is not None:
-            k = (k.float() - self.mean[None, :, None, :]).to(k.dtype)
-        kr, vr = _rotate(k, self.rk), _rotate(v, self.rv)
-        past, n = self.length, k.shape[2]
-        nan = torch.full_like(kr, float("nan"))
-        # values (and token-wise keys) are quantized on arrival (sink tokens never are)
-        first = max(0, S - past)
-        hv, hk = nan.clone(), nan.clone()
-        hv[:, :, first:] = self._tokens(vr[:, :, first:], spec.value_clip)
-        if spec.granularity == "token":
-            hk[:, :, first:] = self._tokens(kr[:, :, first:], spec.key_clip)
-        cat = lambda a, x: x if a is None else torch.cat([a, x], 2)  # noqa: E731
-        self.win_k, self.win_v = cat(self.win_k, kr), cat(self.win_v, vr)
-        self.hist_k, self.hist_v = cat(self.hist_k, hk), cat(self.hist_v, hv)
-        # channel-wise key blocks that enter the history, from what the window holds
-        h1 = history(past + n)
-        if spec.granularity == "channel" and h1 > self.h:
-            a, b = S + self.h, S + h1
-            self.hist_k[:, :, a:b] = self._key_blocks(self.win_k[:, :, a:b])
-        self.h = h1
-        seen_k, seen_v = self._read(past)  # earlier tokens as stored after this pass's demotions
-        back_k = torch.einsum("bhnd,hed->bhne", seen_k, self.rk)  # ·R_Kᵀ
-        back_v = torch.einsum("bhnd,hed->bhne", seen_v, self.rv)
-        return torch.cat([back_k, k], 2), torch.cat([back_v, v], 2)
-
-    def crop(self, remove: int):
-        n = self.length
-        m = n - remove
-        self.longest = max(getattr(self, "longest", 0), n)  # the most tokens held: crops count back from there
-        for name in ("win_k", "win_v", "hist_k", "hist_v"):
-            setattr(self, name, getattr(self, name)[:, :, :m].clone())
-        self.h = history(m)
-        # positions back in the window that later tokens overwrote in the ring (more than R = W + 2B behind the most
-        # tokens held) come back as stored in the history
-        a, b = S + self.h, min(m, self.longest - (W + 2 * B))
-        if b > a:
-            self.win_k[:, :, a:b] = self.hist_k[:, :, a:b]
-            self.win_v[:, :, a:b] = self.hist_v[:, :, a:b]
-
-    def reorder(self, beam):
-        for name in ("win_k", "win_v", "hist_k", "hist_v"):
-            setattr(self, name, getattr(self, name)[beam])
-
-
-class OracleCache(DynamicCache):
-    def __init__(self, model, rotations, specs):
-        super().__init__(config=model.config)
-        means = rotations.key_means or {}
-        self.oracle = [OracleLayer(rotations.key_rotations[i], rotations.value_rotations[i], means.get(i), specs[i])
-                       for i in range(model.config.num_hidden_layers)]
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        super().update(key_states, value_states, layer_idx)  # keeps the lengths transformers asks for
-        return self.oracle[layer_idx].update(key_states, value_states)
-
-    def crop(self, tokens_to_remove):
-        super().crop(tokens_to_remove)
-        for layer in self.oracle:
-            layer.crop(-tokens_to_remove)
-
-    def reorder_cache(self, beam_idx):
-        super().reorder_cache(beam_idx)
-        for layer in self.oracle:
-            layer.reorder(beam_idx)
 
 
 # --------------------------------------------------------------------------------------------- the layouts
@@ -407,11 +200,11 @@ def test_the_oracle_is_not_the_identity():
     x = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.5, 3.0]])  # scale 1, minimum 0: ties round to even
     assert fake_quantize_tokens(x, 2, 6, 1.0).tolist() == [[0.0, 0.0, 1.0, 2.0, 2.0, 3.0]]
     x = torch.tensor([[-4.0, 1.0, 2.0, -1.0]])  # r = 0.5: τ = sort(|x|)[2] = 2
-    assert _clip(x, 0.5).tolist() == [[-2.0, 1.0, 2.0, -1.0]] and torch.equal(_clip(x, 0.99), x)
+    assert clip(x, 0.5).tolist() == [[-2.0, 1.0, 2.0, -1.0]] and torch.equal(clip(x, 0.99), x)
     x = torch.arange(16.0)[None]  # 4 bits, scale 1: exact
-    assert torch.equal(_fake_quantize(x, -1, 4), x)
+    assert torch.equal(fake_quantize(x, -1, 4), x)
     x = torch.tensor([[0.0, 15 * 16384.0]])  # a wide scale is bounded by a quarter of the float16 range
-    assert _fake_quantize(x, -1, 4).tolist() == [[0.0, 15 * F16_MAX / 4]]
+    assert fake_quantize(x, -1, 4).tolist() == [[0.0, 15 * F16_MAX / 4]]
 
 
 # --------------------------------------------------------------------------------------------- crafted states
@@ -480,9 +273,9 @@ def test_the_block_mean_of_a_zero_bit_channel_is_rounded_to_float32_then_float16
 # --------------------------------------------------------------------------------------------- crops in a row
 @pytest.mark.parametrize("cache_class", [OscarCache, StaticOscarCache])
 def test_two_short_crops_in_a_row_restore_the_state_of_a_run_that_never_saw_the_tokens(cache_class):
-    """Crops restore exactly the state of a cache that was never given the removed tokens while the shorter sequence's
-    window lies within R = W + 2b tokens of the longest the sequence has been (docs/storage-format.md, positions.py);
-    two crops in a row count from there. With S = 4, W = 8, b = 16 (R = 40): 93 tokens, then crop(-8) twice: exact.
+    """Crops restore exactly the state of a cache that was never given the removed tokens, except for window positions
+    whose ring slot a position R = W + 2b or more later took after them (docs/storage-format.md, positions.py). With
+    S = 4, W = 8, b = 16 (R = 40): 93 tokens, then crop(-8) twice: exact.
     Then crop(-10) twice from 93 (the window of 73 tokens starts at 52, which the token at 92 overwrote in the ring):
     exact but for position 52, which comes back as the history stores it (a bug let it read the cropped token 92).
 
