@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -1032,8 +1033,9 @@ def main(argv=None):
             if name == "check":
                 results["check"] = section_check(device, args.quick)
                 results["check"].extend(section_model_check(device, args.quick))
-                if device.type == "cuda":
-                    results["check"].append(section_devmap(device, args.quick, out_dir))
+                if device.type == "cuda":  # its model and text in a temporary folder, not in --out: a device call
+                    # brings back at most 8 files from there, for the logs, the JSON and gpu_check.sh's test log
+                    results["check"].append(section_devmap(device, args.quick, Path(tempfile.mkdtemp())))
             elif name == "model-check":  # only the model-level check (kernels vs twins through OscarCache)
                 results["model_check"] = section_model_check(device, args.quick)
             elif name == "tune":
