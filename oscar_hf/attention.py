@@ -37,7 +37,8 @@ def key_padding_mask(attention_mask: torch.Tensor | None, query_start: int = 0) 
 
     The last query row sees every earlier position, so its row is the padding mask; causality comes from positions
     inside the ops (query row i at position `query_start` + i). A mask of several rows that is not causal + padding
-    (bidirectional, custom) is refused: it would silently become a padding mask."""
+    (bidirectional, custom) is refused: it would silently become a padding mask (checked in eager code; compiled code
+    cannot branch on it)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 4:
@@ -47,7 +48,7 @@ def key_padding_mask(attention_mask: torch.Tensor | None, query_start: int = 0) 
     row = allowed[:, 0, -1, :]
     t, n = allowed.shape[2], allowed.shape[3]
     checked = _CHECKED_MASK[0]
-    if t > 1 and not (checked is not None and checked[0]() is attention_mask
+    if t > 1 and not torch.compiler.is_compiling() and not (checked is not None and checked[0]() is attention_mask
                       and checked[1:] == (attention_mask._version, query_start)):
         own = query_start + torch.arange(t, device=allowed.device)
         expected = row[:, None, :] & (torch.arange(n, device=allowed.device)[None, None, :] <= own[None, :, None])

@@ -77,15 +77,24 @@ class DecodeView:
 
 
 def check_finite(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """Refuses NaN/Inf states: on every multi-token pass, and on every step on the CPU (on a GPU a per-token check
-    would cost a synchronisation, and a compiled step cannot branch on it)."""
-    if key_states.shape[2] == 1 and (key_states.device.type != "cpu" or torch.compiler.is_compiling()):
+    """Refuses NaN/Inf states: on every eager multi-token pass, and on every eager step on the CPU (on a GPU a
+    per-token check would cost a synchronisation, and compiled code cannot branch on it)."""
+    if torch.compiler.is_compiling() or (key_states.shape[2] == 1 and key_states.device.type != "cpu"):
         return
     if not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
         raise ValueError(
             "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
             "(with float16, overflow is a common cause; try bfloat16)"
         )
+
+
+def _outside_compiled_code(fn: Callable, reason: str) -> Callable:
+    """`fn`, which torch.compile never traces: a compiled caller runs it eagerly (fullgraph=True: refused, with
+    `reason`)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8 takes no reason
+        return torch.compiler.disable(fn)
 
 
 class OscarLayer(CacheLayerMixin):
@@ -503,6 +512,8 @@ class OscarCache(Cache):
         host, that the call fits the cache (a device-side overflow inside a CUDA graph would end the process's CUDA
         context). transformers keeps the call's cache size in the caller's local `max_cache_length`."""
         self._user_defined = value
+        if self.layers[self.first_oscar_layer].is_initialized:
+            self.plan.current_length()  # the host learns L (compiled steps keep it on the device) for the prefill
         needed = sys._getframe(1).f_locals.get("max_cache_length")
         if self.plan.max_length is not None and isinstance(needed, int) and needed > self.plan.max_length:
             raise ValueError(f"{type(self).__name__} holds max_cache_len={self.plan.max_length} tokens, but this "
@@ -516,6 +527,14 @@ class OscarCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers, for the model it was built for; "
                              f"got layer {layer_idx}: build a cache for the model that uses it")
+        if torch.compiler.is_compiling():
+            if not self.layer_class.is_compileable:  # its growth happens on the host, which a compiled pass skips
+                raise ValueError(f"{type(self).__name__} cannot be traced by torch.compile (its history grows on the "
+                                 "host): a compiled forward takes StaticOscarCache(model, rotations, max_cache_len=...)")
+            if key_states.shape[2] > 1 and self.plan.host_length is None:
+                raise ValueError(f"a multi-token pass of a compiled forward needs the {type(self).__name__}'s token "
+                                 "count on the host, which compiled decode steps keep on the device: run it through "
+                                 "model.generate (which reads the count first) or reset() the cache")
         if layer_idx == 0:
             tokens, limit = key_states.shape[2], self.plan.max_length
             # (not under compile: there the length lives on the device, and generate checked the call on the host)
@@ -536,7 +555,7 @@ class OscarCache(Cache):
         if layer_idx == self.first_oscar_layer:
             self.plan.advance(key_states.shape[2])
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+    def _update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         attention_kwargs = kwargs.get("kwargs")  # transformers >= 5.24: the dict the attention call receives
         attention_kwargs = attention_kwargs if isinstance(attention_kwargs, dict) else None
         fused = self.fused_attention
@@ -551,6 +570,11 @@ class OscarCache(Cache):
         if isinstance(layer, OscarLayer):
             return layer.update(key_states, value_states, fused=fused, attention_kwargs=attention_kwargs)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    # A compiled forward (`model.forward = torch.compile(model.forward)`) runs a growable cache's update eagerly (a graph
+    # break: its history grows on the host); under fullgraph=True that is an error naming the reason.
+    update = _outside_compiled_code(_update, "OscarCache grows its history on the host: a compiled forward takes "
+                                             "StaticOscarCache(model, rotations, max_cache_len=...)")
 
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """Stores states `[B, H, n, d]` into layer `layer_idx` exactly as `update` would, for callers that run no
@@ -677,6 +701,7 @@ class StaticOscarCache(OscarCache):
     layer_class = StaticOscarLayer
     sliding_layer_class = StaticSlidingWindowLayer
     needs_fused_attention = True
+    update = OscarCache._update  # traced by a compiled forward or decode step
 
     def __init__(self, model, rotations, config=None, max_cache_len: int | None = None,
                  allow_other_weights: bool = False):

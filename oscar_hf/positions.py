@@ -108,7 +108,7 @@ class PositionPlan:
         """A forward pass of `tokens` tokens begins. Multi-token passes run eagerly and know L on the host; a
         single-token pass updates only the device tensors under torch.compile (a compiled step replays it in place,
         with no host synchronisation)."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and (tokens == 1 or self.host_length is None):
             self.host_length = self.host_start = None
         else:
             self.host_start = self.current_length() if tokens > 1 or self.host_length is not None else None

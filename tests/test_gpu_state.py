@@ -277,3 +277,54 @@ def test_compiled_static_step_matches_eager_across_blocks_and_growth(model, rota
         assert not static.graphs.stats  # the compiled step is graphed as a whole, not layer by layer
     finally:
         torch._dynamo.reset()
+
+
+def test_a_compiled_forward_in_reduce_overhead_mode_matches_eager(model, rotations):
+    """transformers' documented pattern, `model.forward = torch.compile(model.forward, mode="reduce-overhead",
+    fullgraph=True)`, with a StaticOscarCache (issue 54): the prefill compiled too, over two turns on one cache (the
+    second prefill after compiled steps), to the logits of eager steps fed the same tokens, as in the test above."""
+    new = 40
+    ids, mask = _prompt()
+    more = torch.randint(4, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    class Force(LogitsProcessor):
+        def __init__(self, tokens, start):
+            self.tokens, self.start = tokens, start
+
+        def __call__(self, input_ids, scores):
+            chosen = self.tokens[:, input_ids.shape[1] - self.start]
+            return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
+
+    def two_turns(force=None):
+        cache = StaticOscarCache(model, rotations, CONFIG, max_cache_len=PROMPT + 2 * new + 6)
+        outs, prompt, attention = [], ids, mask
+        with torch.no_grad():
+            for turn in range(2):
+                kw = {} if force is None else {
+                    "logits_processor": LogitsProcessorList([Force(force[turn], prompt.shape[1])])}
+                out = model.generate(prompt, attention_mask=attention, cache=cache, max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, pad_token_id=0, disable_compile=True,
+                                     return_dict_in_generate=True, output_logits=True, **kw)
+                outs.append((out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1)))
+                attention = torch.cat([attention, torch.ones_like(outs[-1][0]), torch.ones_like(more)], 1)
+                prompt = torch.cat([out.sequences, more], 1)
+        return outs
+
+    torch._dynamo.reset()
+    try:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        compiled = two_turns()
+        model.__dict__.pop("forward")
+        eager = two_turns(force=[tokens for tokens, _ in compiled])
+        for turn, ((tokens, logits), (forced, ref)) in enumerate(zip(compiled, eager)):
+            assert torch.equal(forced, tokens)
+            diff = (logits - ref).abs().amax(-1)
+            top2 = ref.topk(2, dim=-1).values
+            decisive = (top2[..., 0] - top2[..., 1]) > 2 * diff
+            assert decisive.float().mean() > 0.8 and torch.equal(tokens[decisive], ref.argmax(-1)[decisive]), turn
+            assert diff.max() <= 0.04 * ref.abs().max(), turn
+            print(f"compiled forward, turn {turn}: max logit difference {diff.max() / ref.abs().max():.2%} of the "
+                  f"largest, {decisive.float().mean():.0%} of the steps decisive")
+    finally:
+        model.__dict__.pop("forward", None)
+        torch._dynamo.reset()

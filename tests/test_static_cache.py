@@ -86,7 +86,7 @@ def test_left_padded_batch_matches_the_dynamic_cache():
     assert torch.equal(a, b)
 
 
-def test_the_decode_step_traces_as_one_graph_without_recompiling(monkeypatch):
+def test_the_decode_step_traces_as_one_graph_without_recompiling():
     """Dynamo captures the whole decode step (fullgraph: no graph break anywhere in the cache or the attention) and
     the lengths changing every step cause no recompilation (they live on the device)."""
     model, dyn, sta = _pair(max_cache_len=120)
@@ -95,12 +95,13 @@ def test_the_decode_step_traces_as_one_graph_without_recompiling(monkeypatch):
         model(_ids(1, 30, 3), cache=sta)
         step = torch.compile(lambda ids, pos: model(ids, cache=sta, position_ids=pos).logits,
                              backend="eager", fullgraph=True)
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-        for i in range(14):  # crosses block boundaries and wraps the ring
-            ids, pos = _ids(1, 1, 10 + i), torch.tensor([[30 + i]])
-            a = model(ids, cache=dyn, position_ids=pos).logits
-            b = step(ids, pos)
-            assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item()), i
+        # (config.patch: a monkeypatched dynamo config option is hidden, not restored, when the patch is undone)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(14):  # crosses block boundaries and wraps the ring
+                ids, pos = _ids(1, 1, 10 + i), torch.tensor([[30 + i]])
+                a = model(ids, cache=dyn, position_ids=pos).logits
+                b = step(ids, pos)
+                assert (a - b).abs().max() < 1e-4 * max(1.0, a.abs().max().item()), i
     torch._dynamo.reset()
     _assert_same_storage(dyn, sta)
 
@@ -429,3 +430,71 @@ def test_eager_decode_graphs_replay_what_the_launches_compute(monkeypatch):
     assert caches[True].graphs._mask.shape[1] > ids.shape[1] + 1  # the mask buffer grew during decode
     assert torch.equal(outs[True].sequences, outs[False].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outs[True].logits, outs[False].logits))
+
+
+def _two_turns(model, cache, seed=5):
+    """Greedy generate, then a second turn on the same cache: the first turn's output and a new user message."""
+    ids, more = _ids(1, 12, seed), _ids(1, 7, seed + 1)
+    with torch.no_grad():
+        first = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
+        return model.generate(torch.cat([first, more], 1), cache=cache, max_new_tokens=12, do_sample=False)
+
+
+@pytest.fixture
+def compiled_forward():
+    """transformers' documented pattern, `model.forward = torch.compile(model.forward, fullgraph=True)` (with the
+    "eager" backend, which traces as the others do but compiles nothing)."""
+    compiled = []
+
+    def compile_forward(model, fullgraph=True):
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="eager", fullgraph=fullgraph)
+        compiled.append(model)
+        return model
+
+    yield compile_forward
+    for model in compiled:
+        model.__dict__.pop("forward", None)  # back to the class's forward
+    torch._dynamo.reset()
+
+
+def test_a_compiled_forward_gives_the_uncompiled_tokens_over_two_turns(compiled_forward):
+    """The prefill runs compiled too (it knows the token count on the host: generate reads it before each call,
+    after compiled decode steps left it on the device), then the decode steps, across demotions."""
+    model, _, _ = _pair(max_cache_len=128)
+    rot, config = OscarRotations.data_free(model, "hadamard"), LAYOUTS["channel"]
+    want = _two_turns(model, StaticOscarCache(model, rot, config, max_cache_len=128))
+    compiled_forward(model)
+    got = _two_turns(model, StaticOscarCache(model, rot, config, max_cache_len=128))
+    assert torch.equal(got, want)
+
+
+def test_a_compiled_forward_runs_the_growable_cache_eagerly_and_refuses_it_under_fullgraph(compiled_forward):
+    """OscarCache grows its history on the host, which no compiled code can: a compiled forward runs its update
+    eagerly (a graph break, the same tokens), and fullgraph=True refuses it at the first layer, naming the cache to
+    use (it wrote past its buffers once they had to grow)."""
+    model, _, _ = _pair()
+    rot, config = OscarRotations.data_free(model, "hadamard"), LAYOUTS["channel"]
+    ids = _ids(1, 12, 3)
+    with torch.no_grad():
+        want = model.generate(ids, cache=OscarCache(model, rot, config), max_new_tokens=30, do_sample=False)
+        compiled_forward(model, fullgraph=False)
+        got = model.generate(ids, cache=OscarCache(model, rot, config), max_new_tokens=30, do_sample=False)
+        assert torch.equal(got, want)
+        compiled_forward(model, fullgraph=True)
+        cache = OscarCache(model, rot, config)
+        with pytest.raises(Exception, match="StaticOscarCache"):
+            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    assert not cache.layers[0].is_initialized  # refused before any layer was written
+
+
+def test_a_compiled_multi_token_pass_without_the_host_count_is_refused(compiled_forward):
+    """Outside generate, after compiled decode steps, a compiled multi-token pass would not know where its tokens go:
+    refused, naming what to do."""
+    model, _, sta = _pair(max_cache_len=64)
+    compiled_forward(model)
+    with torch.no_grad():
+        model(_ids(1, 10, 1), cache=sta)
+        model(_ids(1, 1, 2), cache=sta, position_ids=torch.tensor([[10]]))  # a compiled step: L only on the device
+        with pytest.raises(Exception, match="model.generate .* or reset"):
+            model(_ids(1, 3, 3), cache=sta, position_ids=torch.tensor([[11, 12, 13]]))
