@@ -86,7 +86,9 @@ class DecodeGraphs:
         call = self.calls.get(full)
         if call is None:
             if self.stream is None:
-                self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+                self.stream = torch.cuda.Stream()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             call = self.calls[full] = GraphedCall(fn, inputs, resident, self.pool, self.stream)
             self.stats["captures"] += 1
         self.stats["replays"] += 1
@@ -109,12 +111,16 @@ class DecodeGraphs:
         return self._mask
 
     def clear(self) -> None:
-        self.calls.clear()
+        self.drop(None, every=True)
 
-    def drop(self, owner) -> None:
-        """Drops the graphs whose key begins with `owner` (one layer's, captured over buffers it replaced)."""
-        for full in [full for full in self.calls if full[0][0] == owner]:
+    def drop(self, owner, every: bool = False) -> None:
+        """Drops the graphs whose key begins with `owner` (one layer's, captured over buffers it replaced), or all.
+        Once none is left, the next capture takes a new memory pool: the allocator refuses captures into a pool whose
+        graphs are all gone while blocks of it (a graph's output) are still alive."""
+        for full in [full for full in self.calls if every or full[0][0] == owner]:
             del self.calls[full]
+        if not self.calls:
+            self.pool = None
 
 
 def signature(*tensors: torch.Tensor | None) -> tuple:

@@ -199,10 +199,11 @@ def test_graphs_are_keyed_by_key_resident_layouts_and_addresses(fake_cuda_graphs
     assert len(dg.calls) == 3 and all(full[0] == "a" for full in dg.calls)
     run("a", first)
     assert dg.stats["captures"] == 4
+    pool = dg.pool
     dg.clear()  # e.g. after a batch change: every graph captured over the old buffers goes
-    assert not dg.calls
+    assert not dg.calls and dg.pool is None  # the next capture takes a new pool
     run("a", first)
-    assert dg.stats == {"captures": 5, "replays": 9}
+    assert dg.stats == {"captures": 5, "replays": 9} and dg.pool is not None and dg.pool != pool
 
 
 def test_key_mask_keeps_its_address_while_it_fits_and_is_refilled_per_mask():
