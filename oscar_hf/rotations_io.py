@@ -600,11 +600,16 @@ def weight_fingerprint(model) -> dict[str, Any] | None:
     `None` when there is nothing to read (weights on the meta device, offloaded, or stored as integers); float8
     weights get only the sign-bit part.
 
-    Cost: each part is computed once per model and kept (in a weak-keyed memo: it goes with the model) until any
-    tensor it read changes: another tensor object, an in-place write (the tensor's version counter), `.data`
-    replaced (its storage). So the caches built for one model do not recompute it (the first costs about 30 ms at
-    Qwen3-8B size on one CPU thread; each later one a few ms to walk the attention modules and compare), and
-    on a GPU it is computed there, with one small copy per device to the host.
+    Cost: each part is computed once per model and kept (in a weak-keyed memo: it goes with the model) until what
+    it read changes: another tensor object, dtype or shape, an in-place write (the version counter), `.data`
+    replaced (the storage), or any sampled element, however written: the memo keeps a copy of the samples (at most
+    65,536 elements per tensor: 128 KiB in bfloat16, on the CPU or the tensor's GPU) and compares them on every
+    call, since a write through `p.data` (`p.data.copy_(w)`) leaves `p`'s version counter as it was. So the caches
+    built for one model do not recompute it (the first costs about 30 ms at Qwen3-8B size on one CPU thread; each
+    later one a few ms to walk the attention modules and compare the samples), and on a GPU it is computed and
+    compared there, with one small copy (or one flag) per device to the host. (The sign-bit part reads whole
+    tensors; its memo compares the same samples of them, so a write through `.data` that misses them all is not
+    seen there.)
     """
     sketch = _weight_sketch(model)
     fingerprint: dict[str, Any] = {"sketch": sketch} if sketch is not None else {}
@@ -643,30 +648,59 @@ def fingerprint_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
-_SKETCHES = None  # WeakKeyDictionary: model -> (state of its fingerprinted tensors, sketch)
+_SKETCHES = None  # WeakKeyDictionary: model -> (what its fingerprinted tensors held, sketch)
 
 
-def _tensor_state(tensors) -> list:
+def _read_state(tensors) -> list:
+    """What `tensors` hold, for the memos: per tensor its name, shape, dtype and device, the tensor object, its
+    version counter and storage, and the bytes of its sampled elements (`_sample`, as a view; `_kept` copies them).
+    The bytes, because a write through `p.data` (`p.data.copy_(w)`) bumps the version counter of another tensor
+    than `p`. They are not read on the meta device, nor of a tensor subclass; not of a DTensor in particular: its
+    sample of its own shard differs by rank, so that a write to one rank's shard would send that rank alone into
+    the collective `full_tensor`."""
     import weakref
 
-    def pointer(t):
+    state = []
+    for name, t in tensors:
         try:
-            return (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
-        except (RuntimeError, AttributeError):
-            return None
-
-    def version(t):
-        try:
-            return t._version
+            version = t._version
         except RuntimeError:  # an inference tensor (made under torch.inference_mode) has no version counter
-            return None
+            version = None
+        try:
+            pointer = (t._local_tensor if hasattr(t, "_local_tensor") else t).data_ptr()
+        except (RuntimeError, AttributeError):
+            pointer = None
+        contents, plain = None, t.detach()
+        if t.device.type != "meta" and type(plain) is torch.Tensor:  # not a DTensor or another tensor subclass
+            try:
+                contents = _sample_view(plain.reshape(-1)).view(torch.uint8)
+            except RuntimeError:  # no byte view (e.g. a quantized tensor)
+                pass
+        state.append(((name, tuple(t.shape), t.dtype, str(t.device), version, pointer), weakref.ref(t), contents))
+    return state
 
-    return [(name, weakref.ref(t), version(t), pointer(t), t.dtype, str(t.device)) for name, t in tensors]
+
+def _kept(state) -> list:
+    """`state` as the memo keeps it: the sampled bytes copied (as `bytes` on the CPU, a tensor on another device)."""
+    return [(key, ref, c if c is None else c.numpy().tobytes() if c.device.type == "cpu" else c.clone())
+            for key, ref, c in state]
 
 
-def _same_state(a, b) -> bool:
-    return len(a) == len(b) and all(x[0] == y[0] and x[1]() is y[1]() is not None and x[2:] == y[2:]
-                                    for x, y in zip(a, b))
+def _same_state(kept, state) -> bool:
+    """Whether `state` (fresh) holds what `kept` does; the bytes compared where they lie (one read to the host per
+    device)."""
+    if len(kept) != len(state) or any(
+            key_a != key_b or ref_a() is None or ref_a() is not ref_b() or (a is None) != (b is None)
+            for (key_a, ref_a, a), (key_b, ref_b, b) in zip(kept, state)):
+        return False
+    differs: dict[str, list] = {}
+    for (_, _, a), (_, _, b) in zip(kept, state):
+        if isinstance(a, bytes):  # a copy and a memcmp: faster than np.array_equal or torch.equal on the CPU
+            if b.numpy().tobytes() != a:
+                return False
+        elif a is not None:
+            differs.setdefault(str(b.device), []).append(torch.ne(a, b).reshape(-1))
+    return not any(torch.cat(flags).any().item() for flags in differs.values())
 
 
 def _weight_sketch(model, copy_result: bool = True) -> dict[str, Any] | None:
@@ -679,7 +713,7 @@ def _weight_sketch(model, copy_result: bool = True) -> dict[str, Any] | None:
     if _SKETCHES is None:
         _SKETCHES = weakref.WeakKeyDictionary()
     tensors = fingerprint_tensors(model)
-    state = _tensor_state(tensors)
+    state = _read_state(tensors)
     try:
         cached = _SKETCHES.get(model)
     except TypeError:  # not weak-referenceable
@@ -689,7 +723,7 @@ def _weight_sketch(model, copy_result: bool = True) -> dict[str, Any] | None:
     else:
         sketch = _compute_sketch(tensors)
         try:
-            _SKETCHES[model] = (state, sketch)
+            _SKETCHES[model] = (_kept(state), sketch)
         except TypeError:
             pass
     return copy.deepcopy(sketch) if copy_result else sketch
@@ -733,11 +767,16 @@ def _compute_sketch(tensors) -> dict[str, Any] | None:
 
 def _sample(flat: torch.Tensor) -> torch.Tensor:
     """`FINGERPRINT_SAMPLE` elements of a flat tensor: all of them, or `FINGERPRINT_BLOCKS` evenly spaced runs."""
+    return _sample_view(flat).reshape(-1)
+
+
+def _sample_view(flat: torch.Tensor) -> torch.Tensor:
+    """The elements `_sample` reads, as a view: `flat`, or `[FINGERPRINT_BLOCKS, run]`."""
     if flat.numel() <= FINGERPRINT_SAMPLE:
         return flat
     run = FINGERPRINT_SAMPLE // FINGERPRINT_BLOCKS
     spacing = (flat.numel() - run) // (FINGERPRINT_BLOCKS - 1)
-    return flat.as_strided((FINGERPRINT_BLOCKS, run), (spacing, 1), flat.storage_offset()).reshape(-1)
+    return flat.as_strided((FINGERPRINT_BLOCKS, run), (spacing, 1), flat.storage_offset())
 
 
 def _compare_sketches(recorded, mine) -> str | None:
@@ -801,7 +840,8 @@ def _legacy_sign_fingerprint(model) -> dict[str, Any] | None:
             found.append((int(match.group(1)), match.group(2), param))
     if not found:
         return None
-    state = _tensor_state([(f"{layer}.{which}", p) for layer, which, p in found])
+    # a write through `.data` (no version counter) that misses the sketch's samples of these tensors goes unseen here
+    state = _read_state([(f"{layer}.{which}", p) for layer, which, p in found])
     try:
         cached = _LEGACY.get(model)
     except TypeError:
@@ -823,7 +863,7 @@ def _legacy_sign_fingerprint(model) -> dict[str, Any] | None:
     else:
         result = {"sha256": digest.hexdigest(), "method": LEGACY_METHOD, "layers": list(ends)}
     try:
-        _LEGACY[model] = (state, result)
+        _LEGACY[model] = (_kept(state), result)
     except TypeError:
         pass
     return dict(result) if result is not None else None

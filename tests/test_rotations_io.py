@@ -386,3 +386,49 @@ def test_fingerprint_is_computed_once_per_model_and_weight_state(monkeypatch):
     q_proj.weight = torch.nn.Parameter(torch.zeros_like(q_proj.weight))  # replaced, not written in place
     with pytest.raises(RotationFileError, match=r"layers\.0\.q_proj\.weight differs"):
         OscarCache(model, rotations, config)
+
+
+def _write(how, weight, value):
+    if how == "data.copy_":
+        weight.data.copy_(value)
+    elif how == "no_grad copy_":
+        with torch.no_grad():
+            weight.copy_(value)
+    else:
+        weight.data = value.clone()
+
+
+@pytest.mark.parametrize("how", ["data.copy_", "no_grad copy_", "data ="])
+def test_weights_written_in_place_are_seen_by_the_memo(how, monkeypatch):
+    """Guards (issue 50, item 4): the fingerprint memo compares what the sketch reads, not only the version counter
+    and storage: other weights written through `.data` (which bumps no counter of the parameter), under no_grad, or
+    swapped in as `.data` are refused at the next check, as through load_state_dict; with the weights written back
+    the check passes again, and an unchanged model is not read again. The sign-bit check of older files sees them
+    too."""
+    from oscar_hf import rotations_io
+
+    calls = []
+    compute = rotations_io._compute_sketch
+    monkeypatch.setattr(rotations_io, "_compute_sketch", lambda tensors: calls.append(1) or compute(tensors))
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    rotations = OscarRotations.data_free(model, "hadamard")
+    fingerprint = weight_fingerprint(model)
+    rotations.metadata = {"weight_fingerprint": fingerprint}
+    weight = model.model.layers[1].self_attn.k_proj.weight
+    mine = weight.detach().clone()
+    rotations.check_fingerprint(model)
+    _write(how, weight, other.model.layers[1].self_attn.k_proj.weight.detach())
+    with pytest.raises(RotationFileError, match=r"layers\.1\.k_proj\.weight differs"):
+        rotations.check_fingerprint(model)
+    _write(how, weight, mine)
+    rotations.check_fingerprint(model)
+    calls.clear()
+    for _ in range(3):
+        rotations.check_fingerprint(model)
+    assert not calls
+    legacy = OscarRotations.data_free(model, "hadamard")
+    legacy.metadata = {"weight_fingerprint": {k: v for k, v in fingerprint.items() if k != "sketch"}}
+    legacy.check_fingerprint(model)
+    _write(how, model.model.layers[0].self_attn.q_proj.weight, other.model.layers[0].self_attn.q_proj.weight.detach())
+    with pytest.raises(RotationFileError, match="signs of the first and last layers"):
+        legacy.check_fingerprint(model)
