@@ -76,16 +76,18 @@ class DecodeView:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def check_finite(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+def check_finite(key_states: torch.Tensor, value_states: torch.Tensor, layer: int, first: bool) -> None:
     """Refuses NaN/Inf states: on every eager multi-token pass, and on every eager step on the CPU (on a GPU a
-    per-token check would cost a synchronisation, and compiled code cannot branch on it)."""
+    per-token check would cost a synchronisation, and compiled code cannot branch on it). Checked before the pass is
+    counted: refused at the `first` OSCAR layer, the cache is as it was; at a later one, earlier layers hold the
+    pass."""
     if torch.compiler.is_compiling() or (key_states.shape[2] == 1 and key_states.device.type != "cpu"):
         return
     if not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
         raise ValueError(
-            "OscarCache received NaN or Inf key/value states: the model produced non-finite activations "
-            "(with float16, overflow is a common cause; try bfloat16)"
-        )
+            f"OscarCache received NaN or Inf key/value states at layer {layer}: the model produced non-finite "
+            "activations (with float16, overflow is a common cause; try bfloat16)"
+            + ("" if first else "; earlier layers stored this pass: reset() the cache"))
 
 
 def _outside_compiled_code(fn: Callable, reason: str) -> Callable:
@@ -177,7 +179,6 @@ class OscarLayer(CacheLayerMixin):
         fused = fused and attention_kwargs is not None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        check_finite(key_states, value_states)
         n = key_states.shape[2]
         if n == 1:
             if not self.is_compileable:
@@ -201,7 +202,6 @@ class OscarLayer(CacheLayerMixin):
         cache's prefill: `OscarCache.store`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        check_finite(key_states, value_states)
         self._reserve(self.plan.host_length)
         self._store_chunk(self.centered(key_states), value_states, view=False)
 
@@ -520,13 +520,15 @@ class OscarCache(Cache):
                              f"generate call may store {needed} (prompt + max_new_tokens): create it with a larger "
                              "max_cache_len")
 
-    def _begin_pass(self, key_states: torch.Tensor, layer_idx: int) -> None:
+    def _begin_pass(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """At the first layer of a forward pass: a pass that would overflow max_cache_len is refused before any layer
         is written, and a new batch size after `reset` re-initialises every layer; at the first OSCAR layer: the plan
         advances by the pass's tokens."""
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"{type(self).__name__} has {len(self.layers)} layers, for the model it was built for; "
                              f"got layer {layer_idx}: build a cache for the model that uses it")
+        if isinstance(self.layers[layer_idx], OscarLayer):
+            check_finite(key_states, value_states, layer_idx, first=layer_idx == self.first_oscar_layer)
         if torch.compiler.is_compiling():
             if not self.layer_class.is_compileable:  # its growth happens on the host, which a compiled pass skips
                 raise ValueError(f"{type(self).__name__} cannot be traced by torch.compile (its history grows on the "
@@ -565,7 +567,7 @@ class OscarCache(Cache):
             raise ValueError(f"{type(self).__name__} needs attn_implementation=\"oscar\", but the model now runs "
                              f"{getattr(self._text_config, '_attn_implementation', None)!r}: call "
                              "model.set_attn_implementation(\"oscar\") or use OscarCache")
-        self._begin_pass(key_states, layer_idx)
+        self._begin_pass(key_states, value_states, layer_idx)
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer):
             return layer.update(key_states, value_states, fused=fused, attention_kwargs=attention_kwargs)
@@ -579,7 +581,7 @@ class OscarCache(Cache):
     def store(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """Stores states `[B, H, n, d]` into layer `layer_idx` exactly as `update` would, for callers that run no
         attention afterwards (filling a cache from another cache's prefill, layer by layer)."""
-        self._begin_pass(key_states, layer_idx)
+        self._begin_pass(key_states, value_states, layer_idx)
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer):
             layer.store(key_states, value_states)

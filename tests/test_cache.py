@@ -299,3 +299,26 @@ def test_a_fused_update_hands_its_view_to_the_attention_call_through_the_shared_
     # behind for a later attention call to pick up
     keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)
     assert keys.shape == (1, H, 7, D) and torch.allclose(keys[:, :, :6], k, atol=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_non_finite_states_are_refused_on_cpu_decode_steps(static):
+    """Guards: on the CPU the NaN/Inf check (check_finite) runs on single-token steps too, in both caches, before the
+    pass is counted."""
+    from oscar_hf import StaticOscarCache
+
+    model_config = tiny_config("llama")
+    rot = OscarRotations.data_free(model_config, "hadamard")
+    k, v = _states(7)
+    for bad in ("keys", "values", "inf"):
+        cache = (StaticOscarCache(model_config, rot, SMALL, max_cache_len=32) if static
+                 else OscarCache(model_config, rot, SMALL))
+        _feed(cache, k, v, [6])
+        nk, nv = k[:, :, 6:].clone(), v[:, :, 6:].clone()
+        (nv if bad == "values" else nk)[0, 1, 0, 3] = float("inf") if bad == "inf" else float("nan")
+        with pytest.raises(ValueError, match="NaN or Inf key/value states at layer 0"):
+            cache.update(nk, nv, 0)
+        assert int(cache.get_seq_length()) == 6  # refused before the pass was counted: the cache is as it was
+    cache = _feed(OscarCache(model_config, rot, SMALL), k, v, [6])
+    with pytest.raises(ValueError, match="layer 1: .* earlier layers stored this pass: reset"):
+        cache.update(nk, nv, 1)  # a later layer: the first one holds the pass
