@@ -510,15 +510,38 @@ class OscarCache(Cache):
     def _is_user_defined(self, value: bool) -> None:
         """`generate` marks a cache it was given, once per call, before any step runs: the moment to check, on the
         host, that the call fits the cache (a device-side overflow inside a CUDA graph would end the process's CUDA
-        context). transformers keeps the call's cache size in the caller's local `max_cache_length`."""
+        context), to read the token count on the host, and to allocate a static cache's buffers outside any compiled
+        code. transformers keeps the call's cache size, batch size and model in the caller's locals
+        (`max_cache_length`, `batch_size`, `self`)."""
         self._user_defined = value
+        caller = sys._getframe(1).f_locals
         if self.layers[self.first_oscar_layer].is_initialized:
             self.plan.current_length()  # the host learns L (compiled steps keep it on the device) for the prefill
-        needed = sys._getframe(1).f_locals.get("max_cache_length")
+        elif self.layer_class.is_compileable:
+            self._allocate_for_generate(caller.get("self"), caller.get("batch_size"), caller.get("generation_config"))
+        needed = caller.get("max_cache_length")
         if self.plan.max_length is not None and isinstance(needed, int) and needed > self.plan.max_length:
             raise ValueError(f"{type(self).__name__} holds max_cache_len={self.plan.max_length} tokens, but this "
                              f"generate call may store {needed} (prompt + max_new_tokens): create it with a larger "
                              "max_cache_len")
+
+    def _allocate_for_generate(self, model, batch_size, generation_config) -> None:
+        """Every layer's buffers for the batch `generate` will run (expanded for beams and returned sequences),
+        on the model's one device, before its first pass: allocated inside a compiled forward
+        (`model.forward = torch.compile(...)`), they would be outputs of its CUDA graph, overwritten by the next
+        replay. Nothing where the model spans several devices (the first update allocates each layer's)."""
+        if not isinstance(batch_size, int) or not hasattr(model, "device") or not hasattr(model, "dtype") or \
+                len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+            return
+        expand = max(getattr(generation_config, "num_beams", 1) or 1,
+                     getattr(generation_config, "num_return_sequences", 1) or 1)
+        geometry = self.geometry
+        for i, layer in enumerate(self.layers):
+            heads = self.kv_head_shards.get(i, (0, geometry.num_key_value_heads))[1]
+            empty = torch.zeros(batch_size * expand, heads, 0, geometry.head_dim, dtype=model.dtype,
+                                device=model.device)
+            if not layer.is_initialized and layer.supports_early_init:
+                layer.lazy_initialization(empty, empty)
 
     def _begin_pass(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
         """At the first layer of a forward pass: a pass that would overflow max_cache_len is refused before any layer
@@ -530,6 +553,11 @@ class OscarCache(Cache):
         if isinstance(self.layers[layer_idx], OscarLayer):
             check_finite(key_states, value_states, layer_idx, first=layer_idx == self.first_oscar_layer)
         if torch.compiler.is_compiling():
+            if key_states.is_cuda and not self.layers[layer_idx].is_initialized:
+                raise ValueError(f"a compiled forward would allocate the {type(self).__name__}'s buffers inside its "
+                                 "CUDA graphs, which overwrite them: run it through model.generate (which allocates "
+                                 "them first) or call cache.early_initialization(batch_size, num_heads, head_dim, "
+                                 "dtype, device) before it")
             if not self.layer_class.is_compileable:  # its growth happens on the host, which a compiled pass skips
                 raise ValueError(f"{type(self).__name__} cannot be traced by torch.compile (its history grows on the "
                                  "host): a compiled forward takes StaticOscarCache(model, rotations, max_cache_len=...)")

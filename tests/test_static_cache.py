@@ -498,3 +498,24 @@ def test_a_compiled_multi_token_pass_without_the_host_count_is_refused(compiled_
         model(_ids(1, 1, 2), cache=sta, position_ids=torch.tensor([[10]]))  # a compiled step: L only on the device
         with pytest.raises(Exception, match="model.generate .* or reset"):
             model(_ids(1, 3, 3), cache=sta, position_ids=torch.tensor([[11, 12, 13]]))
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_generate_allocates_a_static_cache_before_its_first_pass(beams):
+    """generate allocates a StaticOscarCache's buffers, for its expanded batch, before the first forward pass: inside
+    a compiled forward they would be outputs of its CUDA graphs, which the next replay overwrites."""
+    model, _, sta = _pair(max_cache_len=64)
+    seen = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append([layer.batch_size if layer.is_initialized else None for layer in sta.layers])
+        return forward(*args, **kwargs)
+
+    model.forward = spy
+    try:
+        with torch.no_grad():
+            model.generate(_ids(2, 8, 0), cache=sta, max_new_tokens=3, do_sample=False, num_beams=beams)
+    finally:
+        del model.forward
+    assert seen[0] == [2 * beams] * len(sta.layers)
