@@ -58,8 +58,9 @@ def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...],
     """(per-head key blocks, key chunk) of a named layout: "default" (KEY_BLOCK for every head in chunks of
     KEY_CHUNK), "mixed" (MIXED_KEY_BLOCKS, cycled), "wide" (the mixed blocks with WIDE_HEADS at 4 bits: `wide_layout`),
     "channels" (the wide layout with wide key channels in the other heads: `wide_channel_layout`), "block128" (one
-    block per chunk) or "token" (token-wise keys)."""
-    if layout == "token":
+    block per chunk), "token" (token-wise keys) or "token-wide" (token-wise rows with WIDE_HEADS at 4 bits: the
+    values of the wide layout)."""
+    if layout in ("token", "token-wide"):
         return (), 0
     if layout in ("mixed", "wide", "channels"):
         return tuple(MIXED_KEY_BLOCKS[i % len(MIXED_KEY_BLOCKS)] for i in range(kv_heads)), KEY_CHUNK
@@ -71,10 +72,11 @@ def key_layout(kv_heads: int, layout: str = "default") -> tuple[tuple[int, ...],
 
 
 def wide_layout(kv_heads: int, layout: str) -> tuple[int, ...]:
-    """`format.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", none elsewhere."""
+    """`format.wide_rows` of a named layout: WIDE_HEADS (the first that exist) at 4 bits in "wide", "channels" and
+    "token-wide", none elsewhere."""
     from oscar_hf.format import WIDE_BITS, wide_rows
 
-    if layout not in ("wide", "channels"):
+    if layout not in ("wide", "channels", "token-wide"):
         return ()
     return wide_rows([WIDE_BITS if h in WIDE_HEADS else 2 for h in range(kv_heads)])
 
@@ -309,11 +311,13 @@ def section_check(device, quick):
              (4, 8, 16384, 128, True, "wide"), (32, 8, 128, 128, False, "wide"), (2, 2, 4096, 64, True, "wide"),
              (4, 8, 16384, 128, True, "channels"), (32, 8, 128, 128, False, "channels"),
              (2, 3, 4096, 64, True, "channels"), (2, 2, 4096, 256, False, "channels"),
+             (4, 8, 16384, 128, True, "token-wide"), (32, 8, 8, 128, False, "token-wide"),  # wide heads unclipped
              (4, 8, 16384, 128, True, "token-clip0.6")]  # a low clip: the clip search's longest bracket
     for (b, h, n, d, rotate, layout) in (cases if not quick else [(2, 2, 320, 64, True, "token"),
                                                                     (2, 2, 256, 64, True, "default"),
                                                                     (2, 4, 256, 64, True, "mixed"),
                                                                     (2, 4, 256, 64, True, "wide"),
+                                                                    (2, 4, 256, 64, True, "token-wide"),
                                                                     (2, 4, 256, 64, True, "channels")]):
         layout, _, low_clip = layout.partition("-clip")
         key_blocks, chunk = key_layout(h, layout)

@@ -308,8 +308,9 @@ def _quantize_pack_kernel(
         row_ok = rows < n_rows
         x = _rotated_rows(x_ptr, r, b, h, rows, row_ok, cols, sx_b, sx_h, sx_t, sx_d, ROTATE, STORE_BF16, UPCAST)
         if CLIP:
-            tau = _order_statistic_abs(x, clip_index, STORE_BF16, SORT_BITS)
-            x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
+            if wide_row < 0:  # a wide head's rows are stored unclipped (`quant.quantize`)
+                tau = _order_statistic_abs(x, clip_index, STORE_BF16, SORT_BITS)
+                x = tl.minimum(tl.maximum(x, -tau[:, None]), tau[:, None])
         xg = tl.reshape(x, (BLOCK_T, GROUPS, GS))
         lo = tl.min(xg, axis=2)
         hi = tl.max(xg, axis=2)
@@ -427,7 +428,7 @@ def quantize_pack_triton(
 ) -> None:
     """Writes rows `x` `[B, H, n, d]` (rotated by `rotation` `[H, d, d]` first, if given) into
     `codes[:, :, start:start+n]` `[B, H, L, d/4]` uint8 and the matching meta rows: token-wise (`key_chunk == 0`,
-    meta `[B, H, L, G, 2]`, rows clipped at `clip_ratio`) or channel-wise with KV head h over blocks of
+    meta `[B, H, L, G, 2]`, rows of 2-bit heads clipped at `clip_ratio`) or channel-wise with KV head h over blocks of
     `key_blocks[h]` tokens in chunks of `key_chunk` (meta `[B, L/key_chunk, R, d, 2]`, `quant.KeyBlockLayout`; no
     clip; `start` and n multiples of the chunk). `start` may be an int64 device tensor of one element, read by the
     kernel (nothing is written when it is negative; the caller keeps it a multiple of the chunk and in range).

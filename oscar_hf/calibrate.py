@@ -15,7 +15,8 @@
    shared per layer.
 3. Clips: on held-out tokens (never used in step 1), per layer, the ratio in `clip_grid` that minimises the
    attention-output error when the keys (resp. values) outside the sink and recent window are clipped and quantized,
-   exactly as the cache will store them (with `center_keys`, the held-out keys are centered by μ first).
+   exactly as the cache will store them: each head at its history bits, the wide heads (step 4) at 4 and unclipped
+   (with `center_keys`, the held-out keys are centered by μ first).
 4. Wide heads (`CalibrationConfig.wide_heads`): the model reads a random token sequence twice; the KV heads whose second
    reading attends most to the token after each token's first occurrence (the induction pattern by which a model
    retrieves what it has seen: `RetrievalProbe`) keep their history at 4 bits, as many as the bit budget pays for.
@@ -46,8 +47,8 @@ from .config import CalibrationConfig, OscarConfig
 from .data import load_texts, sequence_prefix, token_sequences
 from .models import (ModelGeometry, UnsupportedModelError, check_attention_interface, decoder_attention,
                      model_geometry, text_config)
-from .format import WIDE_BITS, wide_channel_permutation
-from .quant import fake_quantize, fake_quantize_channels
+from .format import WIDE_BITS, StreamFormat, layer_format, wide_channel_permutation
+from .quant import dequantize, fake_quantize_channels, quantize
 from .rotation import build_rotation
 from .rotations_io import FINGERPRINT_KEY, LAYOUT_FIELDS, OscarRotations, geometry_dict_for, weight_fingerprint
 
@@ -273,14 +274,17 @@ def clip_errors(
     scale: float,
     config: OscarConfig,
     ratios,
+    head_bits=None,
 ) -> dict[str, dict[float, float]]:
     """Relative attention-output error for each clip ratio, for keys and for values of one layer.
 
     Args:
-        query `[Hq, T, d]`, key/value `[H, T, d]` (one held-out sequence), rotations `[H, d, d]`.
+        query `[Hq, T, d]`, key/value `[H, T, d]` (one held-out sequence), rotations `[H, d, d]`, head_bits: the
+        history bits of each KV head (2, or `WIDE_BITS` for a wide head; None: `config.bits` everywhere).
     Returns:
         `{"key": {ratio: err}, "value": {ratio: err}}` where err = Σ‖o − ô‖² / Σ‖o‖² over the queries that see
-        quantized history, quantizing only keys (resp. values) that the cache would hold quantized.
+        quantized history and every head of the layer, quantizing only keys (resp. values) that the cache would hold
+        quantized, each head at its bits.
     """
     hq, t, d = query.shape
     h = key.shape[0]
@@ -297,7 +301,6 @@ def clip_errors(
             f"heldout_tokens ({t}) must exceed sink_tokens + window_tokens ({config.sink_tokens + config.window_tokens}) "
             "so that the clip fit sees quantized history"
         )
-    group = config.group_size or d
     qr = qr[:, :, rows]  # only queries that see quantized history can have an error
     causal, exact, quant = causal[rows], exact[rows], quant[rows]
 
@@ -311,14 +314,15 @@ def clip_errors(
     probs_quant = probs * quant
     errors: dict[str, dict[float, float]] = {"key": {}, "value": {}}
     # Channel-wise keys are not clipped: every ratio gives the same error (ratio 1.0 wins the tie).
-    channel_keys = _quantized_keys(kr, config) if config.key_granularity == "channel" else None
+    channel_keys = _quantized_keys(kr, config, head_bits=head_bits) if config.key_granularity == "channel" else None
     for ratio in ratios:
-        k_hat = channel_keys if channel_keys is not None else _quantized_keys(kr, config, ratio)
+        k_hat = channel_keys if channel_keys is not None else _quantized_keys(kr, config, ratio, head_bits)
         scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
         out = torch.einsum("hgij,hjd->hgid", attend(scores_hat), vr)
         errors["key"][ratio] = (out - reference).square().sum().item() / norm
         # Quantizing values changes the output by P_quant·(v̂ − v).
-        v_delta = fake_quantize(vr, config.bits, group, ratio, config.scale_dtype) - vr
+        values = layer_format(config, h, d, value_clip=ratio, head_bits=head_bits).values
+        v_delta = _stored(vr, values) - vr
         errors["value"][ratio] = torch.einsum("hgij,hjd->hgid", probs_quant, v_delta).square().sum().item() / norm
     return errors
 
@@ -335,10 +339,11 @@ def key_basis_candidates(calibrated: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def key_basis_errors(query, key, value, candidates: dict[str, torch.Tensor], scale: float,
-                     config: OscarConfig) -> dict[str, torch.Tensor]:
+                     config: OscarConfig, head_bits=None) -> dict[str, torch.Tensor]:
     """Relative attention-output error per KV head `[H]` of each candidate key rotation, on one held-out sequence
-    (query `[Hq, T, d]`, key/value `[H, T, d]`), keys quantized as the cache will (values exact, so only the keys
-    count). Keys outside the history (sink, recent window, the query itself) stay exact, as in `clip_errors`."""
+    (query `[Hq, T, d]`, key/value `[H, T, d]`), keys quantized as the cache will, each head at its `head_bits`
+    (None: `config.bits` everywhere; values exact, so only the keys count). Keys outside the history (sink, recent
+    window, the query itself) stay exact, as in `clip_errors`."""
     hq, t, d = query.shape
     h = key.shape[0]
     g = hq // h
@@ -354,7 +359,7 @@ def key_basis_errors(query, key, value, candidates: dict[str, torch.Tensor], sca
         kr = torch.matmul(key.float(), rotation.float())
         qr = torch.matmul(query.float().reshape(h, g, t, d), rotation.float().unsqueeze(1))[:, :, rows]
         scores = torch.einsum("hgid,hjd->hgij", qr, kr) * scale
-        k_hat = _quantized_keys(kr, config)
+        k_hat = _quantized_keys(kr, config, head_bits=head_bits)
         scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
         reference = torch.einsum("hgij,hjd->hgid", torch.softmax(scores.masked_fill(~causal, float("-inf")), -1), v)
         approx = torch.einsum("hgij,hjd->hgid", torch.softmax(scores_hat.masked_fill(~causal, float("-inf")), -1), v)
@@ -362,17 +367,25 @@ def key_basis_errors(query, key, value, candidates: dict[str, torch.Tensor], sca
     return out
 
 
-def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0) -> torch.Tensor:
-    """Keys `[H, T, d]` as the cache stores them in its history (the caller masks what stays exact), channel-wise
-    keys in blocks of `config.key_block` within whole demotion blocks."""
-    t = kr.shape[1]
-    if config.key_granularity == "channel":
-        start = min(config.sink_tokens, t)
-        end = start + (t - start) // config.demotion_block * config.demotion_block
-        out = kr.clone()
-        out[:, start:end] = fake_quantize_channels(kr[:, start:end], config.bits, config.key_block, config.scale_dtype)
-        return out
-    return fake_quantize(kr, config.bits, config.group_size or kr.shape[-1], ratio, config.scale_dtype)
+def _stored(rows: torch.Tensor, fmt: StreamFormat) -> torch.Tensor:
+    """Rows `[H, T, d]` as the history stream `fmt` gives them back: `quant.quantize`, then `quant.dequantize`."""
+    return dequantize(quantize(rows[None], fmt))[0]
+
+
+def _quantized_keys(kr: torch.Tensor, config: OscarConfig, ratio: float = 1.0, head_bits=None) -> torch.Tensor:
+    """Keys `[H, T, d]` as the cache stores them in its history (the caller masks what stays exact), each head at
+    its `head_bits` (None: `config.bits`), channel-wise keys in blocks of `config.key_block` within whole demotion
+    blocks, token-wise keys clipped at `ratio`."""
+    h, t, d = kr.shape
+    keys = layer_format(config, h, d, key_clip=ratio, head_bits=head_bits).keys
+    if not keys.channelwise:
+        return _stored(kr, keys)
+    start = min(config.sink_tokens, t)
+    end = start + (t - start) // config.demotion_block * config.demotion_block
+    out = kr.clone()
+    if end > start:
+        out[:, start:end] = _stored(kr[:, start:end], keys)
+    return out
 
 
 def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torch.Tensor],
@@ -389,11 +402,12 @@ def choose_key_basis(candidates: dict[str, torch.Tensor], errors: dict[str, torc
 
 
 def key_block_errors(query, key, value, rotation: torch.Tensor, scale: float, config: OscarConfig,
-                     choices) -> dict[int, torch.Tensor]:
+                     choices, head_bits=None) -> dict[int, torch.Tensor]:
     """Held-out relative attention-output error per KV head `[H]` of keys stored in the basis `rotation` `[H, d, d]`
-    over blocks of each of `choices` tokens (`key_basis_errors` with that block everywhere)."""
+    over blocks of each of `choices` tokens, each head at its `head_bits` (`key_basis_errors` with that block
+    everywhere)."""
     return {block: key_basis_errors(query, key, value, {"stored": rotation}, scale,
-                                    config.replace(key_block=block))["stored"]
+                                    config.replace(key_block=block), head_bits)["stored"]
             for block in choices}
 
 
@@ -805,20 +819,22 @@ def calibrate(
             dev = q.device
             if key_means is not None:  # fit on what the centered cache quantizes
                 k = k - key_means[layer].to(dev, k.dtype)[:, None, :]
-            wide = [b == WIDE_BITS for b in head_bits[layer]] if head_bits else []
+            bits = head_bits[layer] if head_bits else None  # every key and value error weighs what each head stores
+            wide = [b == WIDE_BITS for b in bits] if bits else []
             if calibration.choose_key_basis and (not fitted_channels or any(wide)):
                 candidates = key_basis_candidates(key_rotations[layer])
-                errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config)
+                errors = key_basis_errors(q, k, v, {n: r.to(dev) for n, r in candidates.items()}, scale, config, bits)
                 key_rotations[layer], key_bases[layer] = choose_key_basis(candidates, errors, targets.per_head)
                 key_basis_errors_seen[layer] = {n: e.tolist() for n, e in errors.items()}
             if fitted_channels:
                 key_rotations[layer], key_bases[layer] = _raw_channels_unless_wide(
                     key_rotations[layer], key_bases.get(layer), wide)
             if allocate:
-                block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config, choices)
+                block_errors[layer] = key_block_errors(q, k, v, key_rotations[layer].to(dev), scale, config, choices,
+                                                       bits)
             errs = clip_errors(
                 q, k, v, key_rotations[layer].to(dev), value_rotations[layer].to(dev), scale, config,
-                calibration.clip_grid
+                calibration.clip_grid, bits
             )
             curves[layer] = errs
             key_clips[layer], value_clips[layer] = best_ratio(errs["key"]), best_ratio(errs["value"])
@@ -862,11 +878,12 @@ def calibrate(
         "key_basis": {
             "chosen": {str(layer): names for layer, names in key_bases.items()},
             "errors": {str(layer): errs for layer, errs in key_basis_errors_seen.items()},
-            "objective": "relative attention-output error on held-out tokens, keys quantized as stored, values exact",
+            "objective": "relative attention-output error on held-out tokens, keys quantized as stored (each head at "
+                         "its history bits), values exact",
         } if key_bases else None,
         "key_block_allocation": {
             "objective": "least summed relative attention-output error on held-out tokens (keys quantized in the "
-                         "stored basis, values exact) within budget_key_bits",
+                         "stored basis at each head's history bits, values exact) within budget_key_bits",
             "choices": list(choices),
             "budget_key_bits": round(key_bits, 4),
             "average_key_bits": round(sum(config.bits + 2 * config.meta_bits / b for bl in key_blocks.values() for b in bl)
@@ -887,7 +904,8 @@ def calibrate(
             "scores": {str(layer): [round(float(x), 5) for x in sc] for layer, sc in retrieval.items()},
         } if retrieval is not None else None,
         "clip_fit": {
-            "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window quantized",
+            "objective": "relative attention-output error on held-out tokens, keys/values outside sink+window "
+                         "quantized as stored, each head at its history bits (one ratio per layer, wide heads unclipped)",
             "grid": list(calibration.clip_grid),
             "errors": {str(layer): {w: {str(r): e for r, e in c.items()} for w, c in errs.items()} for layer, errs in curves.items()},
         },

@@ -310,7 +310,7 @@ class Packed:
 
 def quantize(x: torch.Tensor, fmt: StreamFormat) -> Packed:
     """Rows `x` `[B, H, n, d]` (rotated) in `fmt`'s format (channel-wise: n a multiple of the chunk). Token-wise
-    rows are clipped at `fmt.clip` first."""
+    rows of 2-bit heads are clipped at `fmt.clip` first; a wide head's rows are not clipped."""
     if fmt.dense:
         return Packed(x, None, fmt)
     b, h, n, d = x.shape
@@ -318,11 +318,11 @@ def quantize(x: torch.Tensor, fmt: StreamFormat) -> Packed:
         raise ValueError(f"rows of {h} KV heads of dim {d} for a stream of {fmt.heads} heads of dim {fmt.head_dim}")
     wide = fmt.wide_heads
     if not fmt.channelwise:
-        rows = clip_rows(x.float(), fmt.clip)
-        q = quantize_rows(rows, fmt.bits, fmt.group_size, fmt.scale_dtype)
+        q = quantize_rows(clip_rows(x.float(), fmt.clip), fmt.bits, fmt.group_size, fmt.scale_dtype)
         if not wide:
             return Packed(q.codes, q.meta, fmt)
-        q4 = quantize_rows(rows[:, list(wide)], WIDE_BITS, fmt.group_size, fmt.scale_dtype, wide=True)
+        # The clip trades outliers for a finer 2-bit grid; at 4 bits it costs more than it saves: wide rows unclipped.
+        q4 = quantize_rows(x[:, list(wide)].float(), WIDE_BITS, fmt.group_size, fmt.scale_dtype, wide=True)
         high, low, q.meta[:, list(wide)] = _split_wide(q4.codes, q4.meta)
         codes = torch.cat([q.codes, low], dim=1)
         codes[:, list(wide)] = high

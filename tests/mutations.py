@@ -89,6 +89,12 @@ MUTATIONS = [
              '(key_states.shape[2] == 1 and key_states.device.type != "cpu")', "key_states.shape[2] == 1",
              ("tests/test_cache.py", "tests/test_static_cache.py"),
              "NaN/Inf states pass single-token steps on the CPU"),
+    # beyond the issue's eight: the layer's clip applied to its wide (4-bit) heads, as before issue 50
+    Mutation("wide-rows-clipped", "oscar_hf/quant.py",
+             "q4 = quantize_rows(x[:, list(wide)].float(), WIDE_BITS,",
+             "q4 = quantize_rows(clip_rows(x[:, list(wide)].float(), fmt.clip), WIDE_BITS,",
+             ("tests/test_quant.py", "tests/test_kernels.py") + CALIBRATION_TESTS[:1],
+             "a wide head's token-wise rows are clipped at the 2-bit heads' ratio"),
 ]
 
 

@@ -22,7 +22,7 @@ The specification, with sink S, window W, demotion block b and ring R = W + 2b:
 The quantizer: asymmetric, a (scale, minimum) per group, s = (max − min)/(2^b − 1) and m = min, both rounded to
 float16 before the codes c = clamp(round_half_even((x − m)/s), 0, 2^b − 1) are computed; x̂ = c·s + m.
 - Token-wise rows (values; the paper's keys) are first clamped to ±τ, τ = sort(|x|)[floor(r·d)] (no clip when
-  floor(r·d) = d), then quantized per group of `group_size` channels.
+  floor(r·d) = d, nor in a wide head), then quantized per group of `group_size` channels.
 - Channel-wise keys: per channel over each block of `key_blocks[h]` tokens of head h.
 - A wide (4-bit) head: 4-bit codes whose scale s is bounded by a quarter of the float16 range (the stored scale is
   4·s); c = 4·h + l is read as x̂ = h·(4s) + m + l·s.
@@ -146,8 +146,8 @@ class OracleLayer:
         return 0 if self.win_k is None else self.win_k.shape[2]
 
     def _tokens(self, x, ratio):
-        """Token-wise rows `[B, H, n, d]` of this layer's heads (wide heads at 4 bits)."""
-        return torch.stack([fake_quantize_tokens(x[:, h], bits, self.spec.group, ratio)
+        """Token-wise rows `[B, H, n, d]` of this layer's heads (wide heads at 4 bits, unclipped)."""
+        return torch.stack([fake_quantize_tokens(x[:, h], bits, self.spec.group, ratio if bits == 2 else 1.0)
                             for h, bits in enumerate(self.spec.head_bits)], 1)
 
     def _key_blocks(self, x):

@@ -6,8 +6,10 @@ import torch
 from conftest import VOCAB, char_tokenizer, tiny_model
 from transformers import DynamicCache
 from oscar_hf import CalibrationConfig, OscarCache, OscarConfig, OscarRotations, UnsupportedModelError
-from oscar_hf.calibrate import RotationTargets, StatisticsCollector, attention_column_energy, calibrate, capturing
+from oscar_hf.calibrate import (RotationTargets, StatisticsCollector, attention_column_energy, calibrate,
+                               calibration_sequences, capturing)
 from oscar_hf.models import model_geometry
+from oscar_hf.quant import fake_quantize
 from oscar_hf.rotation import hadamard, orthogonality_error
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -425,6 +427,135 @@ def test_calibration_water_fills_key_channels_and_the_cache_stores_them(text_fil
     assert err[:n].mean() < err[n:-n].mean() / 2  # 4-bit channels against 2-bit ones
     with pytest.warns(RuntimeWarning, match="wide key channels are not stored by this layout"):
         OscarCache(model, loaded, config.replace(bits=4))
+
+
+def test_errors_weigh_each_head_at_the_bits_it_stores():
+    """`key_basis_errors`, `key_block_errors` and `clip_errors` score a wide head's keys and values at 4 bits and the
+    other heads at the layout's 2: on a layer of two identical KV heads, head bits (2, 4) give head 0 the errors of a
+    2-bit layout and head 1 those of a 4-bit one (and `clip_errors`, which sums the layer, their mean, the 4-bit
+    head's values unclipped at every ratio)."""
+    from oscar_hf.calibrate import clip_errors, key_basis_errors, key_block_errors
+
+    g = torch.Generator().manual_seed(4)
+    t, d = 96, 16
+    query = torch.randn(2, t, d, generator=g).repeat(2, 1, 1)  # GQA 2: both KV heads see the same two query heads
+    key = (torch.randn(1, t, d, generator=g) * torch.rand(d, generator=g) * 3).repeat(2, 1, 1)
+    value = torch.randn(1, t, d, generator=g).repeat(2, 1, 1)
+    eye, scale = torch.eye(d).expand(2, d, d), d ** -0.5
+    two = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=8)
+    four = two.replace(bits=4)
+    mixed = key_basis_errors(query, key, value, {"stored": eye}, scale, two, (2, 4))["stored"]
+    low = key_basis_errors(query, key, value, {"stored": eye}, scale, two)["stored"]
+    high = key_basis_errors(query, key, value, {"stored": eye}, scale, four)["stored"]
+    assert mixed[0] == low[0] and mixed[1] == pytest.approx(high[1].item(), rel=1e-5) and mixed[1] < low[1] / 4
+    mixed = key_block_errors(query, key, value, eye, scale, two, (8, 16), (2, 4))
+    high = key_block_errors(query, key, value, eye, scale, four, (8, 16))
+    assert all(mixed[b][1] == pytest.approx(high[b][1].item(), rel=1e-5) for b in (8, 16))
+    ratios = (0.8, 1.0)
+    mixed = clip_errors(query, key, value, eye, eye, scale, two, ratios, (2, 4))
+    low, high = clip_errors(query, key, value, eye, eye, scale, two, ratios), clip_errors(
+        query, key, value, eye, eye, scale, four, ratios)
+    assert [mixed["key"][r] for r in ratios] == pytest.approx(  # channel-wise keys: no clip
+        [(low["key"][r] + high["key"][r]) / 2 for r in ratios], rel=1e-5)
+    assert [mixed["value"][r] for r in ratios] == pytest.approx(  # the wide head's values are stored unclipped
+        [(low["value"][r] + high["value"][1.0]) / 2 for r in ratios], rel=1e-5)
+    assert high["value"][0.8] > high["value"][1.0]
+
+
+@pytest.fixture(scope="module")
+def fitted_per_head(tmp_path_factory):
+    """A tiny model's calibration that allocates key blocks, keeps two retrieval heads wide and water-fills the other
+    heads' key channels: `(rotations, config, {layer: (query, key, value, scale)} of the held-out tokens)`."""
+    path = tmp_path_factory.mktemp("calibration") / "calib.txt"
+    path.write_text(TEXT)
+    model, tok = tiny_model("llama", attn="sdpa"), char_tokenizer()
+    config = LAYOUT.replace(demotion_block=32, key_block=16)  # key block choices 8, 16 and 32
+    # a key budget above key_block everywhere (so that the six KV heads allocate), and two wide heads on top of it
+    budget = CAL.history_bits_per_element(config, 16) + 0.25
+    calibration = CAL.replace(allocation_history_bits=budget, wide_history_bits=budget + 0.75)
+    rotations = calibrate(model, tok, data=str(path), config=config, calibration=calibration, progress=False)
+    _, heldout, _ = calibration_sequences(tok, calibration, str(path))
+    recorder = StatisticsCollector(model_geometry(model.config))
+    recorder.record = {}
+    with capturing(model, recorder), torch.no_grad():
+        model(input_ids=heldout[0][None], use_cache=False)
+    return rotations, config, recorder.record
+
+
+def _value_errors(query, key, value, scale, config, head_bits, ratios) -> dict[float, float]:
+    """Relative attention-output error of a layer's values `[H, T, d]` (rotated) stored token-wise, head h quantized
+    at head_bits[h] (clipped at each ratio if 2-bit, unclipped if 4-bit): the held-out queries that see history,
+    keys exact."""
+    h, t, d = value.shape
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+    causal = j <= i
+    history = causal & (j >= config.sink_tokens) & (i - j > config.window_tokens)
+    rows = history.any(1)
+    scores = torch.einsum("hgid,hjd->hgij", query.reshape(h, -1, t, d)[:, :, rows], key) * scale
+    probs = torch.softmax(scores.masked_fill(~causal[rows], float("-inf")), -1)
+    norm = torch.einsum("hgij,hjd->hgid", probs, value).square().sum()
+    errors = {}
+    for ratio in ratios:
+        delta = torch.stack([fake_quantize(value[x], head_bits[x], d, ratio if head_bits[x] == 2 else 1.0) - value[x]
+                             for x in range(h)])
+        errors[ratio] = (torch.einsum("hgij,hjd->hgid", probs * history[rows], delta).square().sum() / norm).item()
+    return errors
+
+
+def test_value_clips_are_fitted_on_what_each_head_stores(fitted_per_head):
+    """A layer's one value clip is the grid ratio with the least held-out error of the values as every head stores
+    them: the wide heads at 4 bits and unclipped, the others clipped at 2. Recomputed head by head with
+    `fake_quantize`; fitting every head at 2 bits would choose another clip in some layer."""
+    from oscar_hf.calibrate import best_ratio
+
+    rot, config, record = fitted_per_head
+    assert sum(b == 4 for bits in rot.head_bits.values() for b in bits) == 2
+    grid, moved = CAL.clip_grid, False
+    for layer in rot.layers:
+        q, k, v, scale = record[layer]
+        v = v @ rot.value_rotations[layer]
+        errors = _value_errors(q, k, v, scale, config, rot.head_bits[layer], grid)
+        recorded = rot.metadata["clip_fit"]["errors"][str(layer)]["value"]
+        assert [recorded[str(r)] for r in grid] == pytest.approx([errors[r] for r in grid], rel=1e-4)
+        assert rot.value_clips[layer] == best_ratio(errors)
+        moved |= best_ratio(_value_errors(q, k, v, scale, config, (2, 2), grid)) != rot.value_clips[layer]
+    assert moved
+
+
+def test_key_blocks_are_allocated_on_the_bits_each_head_stores(fitted_per_head):
+    """The key block errors the allocation weighs are those of each head's keys as stored: a wide head's at 4 bits in
+    its chosen basis, a 2-bit head's at 2 bits in its raw channels (their order by width comes after)."""
+    from oscar_hf.calibrate import key_block_errors
+
+    rot, config, record = fitted_per_head
+    info = rot.metadata["key_block_allocation"]
+    choices = info["choices"]
+    for layer in rot.layers:
+        q, k, v, scale = record[layer]
+        bits = rot.head_bits[layer]
+        basis = torch.stack([r if b == 4 else torch.eye(16) for r, b in zip(rot.key_rotations[layer], bits)])
+        want = {b: key_block_errors(q, k, v, basis, scale, config.replace(bits=b), choices) for b in (2, 4)}
+        for head, b in enumerate(bits):
+            assert [info["errors"][str(layer)][str(c)][head] for c in choices] == pytest.approx(
+                [want[b][c][head].item() for c in choices], rel=1e-5)
+
+
+def test_key_channel_widths_are_fitted_over_each_heads_allocated_key_blocks(fitted_per_head):
+    """A 2-bit head's key channel widths weigh its keys' errors over the key blocks it was allocated, not key_block
+    (recomputed from the held-out tokens; key_block everywhere would give other widths)."""
+    from oscar_hf.calibrate import allocate_wide_channels
+
+    rot, config, record = fitted_per_head
+    assert any(b != config.key_block for blocks in rot.key_blocks.values() for b in blocks)
+    recorded = rot.metadata["key_channel_bits"]["channel_widths"]
+    moved = False
+    for layer in rot.layers:
+        q, k, _, _ = record[layer]
+        counts, _, widths = allocate_wide_channels(q, k, rot.key_blocks[layer], config, rot.head_bits[layer])
+        assert torch.equal(torch.tensor(recorded[str(layer)]), widths) and rot.key_wide_channels[layer] == counts
+        uniform = allocate_wide_channels(q, k, (config.key_block,) * 2, config, rot.head_bits[layer])[2]
+        moved |= not torch.equal(uniform, widths)
+    assert moved
 
 
 def test_calibration_data_can_be_a_list_of_strings_and_bad_data_is_named():

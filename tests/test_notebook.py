@@ -16,9 +16,10 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb
 # sums and round bfloat16 products differently): the BF16 perplexity by 0.05; OSCAR's by 0.1, since its calibration
 # fits the rotations from such sums (25.44 on one thread, 25.50 on two); the naive INT2 one by 2%, since without
 # rotation or clip its quantizer turns last-bit differences into flipped codes (28.17 on the machine that stored it
-# first, 28.39 on an AVX-512 machine with AMX); the steps where OSCAR picks BF16's next token by 2 (a near-tie may
-# flip); the KV memory table (bytes and bits per element from the cache's layout) must match to its printed digits.
-PERPLEXITY_TOLERANCE = {"BF16": 0.05, "OSCAR INT2": 0.1, "naive INT2": 0.02}  # naive INT2: relative
+# first, 28.39 on an AVX-512 machine with AMX, 27.85 on one without AMX); the steps where OSCAR picks BF16's next token
+# by 2 (a near-tie may flip); the KV memory table (bytes and bits per element from the cache's layout) must match to
+# its printed digits.
+PERPLEXITY_TOLERANCE = {"BF16": 0.05, "OSCAR INT2": 0.1, "naive INT2": 0.03}  # naive INT2: relative
 AGREEMENT_TOLERANCE = 2
 
 

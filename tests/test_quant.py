@@ -220,7 +220,8 @@ def test_wide_rows_number_the_low_planes_after_the_heads_in_order():
 
 def test_wide_heads_are_their_4bit_codes_in_two_2bit_planes():
     """A wide head's row holds the 4-bit code's high plane under 4x the 4-bit scale, its extra row the low plane:
-    together exactly the 4-bit quantization (token-wise and channel-wise); the other heads are plain 2-bit."""
+    together exactly the 4-bit quantization (token-wise and channel-wise; unclipped where the 2-bit heads' token-wise
+    rows are clipped); the other heads are plain 2-bit."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 3, 128, 64, generator=g) * torch.logspace(-1, 1, 64) + torch.randn(64, generator=g)
     wide = wide_rows((4, 2, 4))
@@ -238,6 +239,9 @@ def test_wide_heads_are_their_4bit_codes_in_two_2bit_planes():
     assert torch.allclose(out[:, [0, 2]], dequantize_rows(q4), atol=1e-6)
     assert torch.equal(out[:, 1], dequantize_rows(q2)[:, 1])
     assert fmt.bits_per_element() == (2 * 3 + 2 * 2) / 3 + 2 * 16 / 64
+    clipped = dequantize(quantize(x, StreamFormat(3, 64, 2, wide_rows=wide, clip=0.75)))  # the clip is the 2-bit heads'
+    assert torch.equal(clipped[:, [0, 2]], out[:, [0, 2]])
+    assert torch.equal(clipped[:, 1], fake_quantize(x[:, 1], 2, 64, 0.75)) and not torch.equal(clipped[:, 1], out[:, 1])
     blocks = (32, 64, 128)
     k = quantize(x, _channel_stream(blocks, wide_rows=wide))
     k4 = quantize(x, _channel_stream(blocks, bits=4))
