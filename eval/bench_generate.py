@@ -15,7 +15,9 @@ differenced the same way. Roofline per step: (weights + KV bytes a step must rea
 
 Sections: `memory` (what a static cache of 128K tokens allocates, and that decode adds nothing), `kernels` (the CUDA kernels of one compiled decode step, per method), `runtime` (the CUDA runtime calls and device reads of a decode step on the host, per method), `profile` (its host time,
 cProfile), `check` (GPU correctness: decode kernel vs its torch twin on a static cache's buffers with the ring
-wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`.
+wrapped; the same greedy tokens from OscarCache, StaticOscarCache eager and StaticOscarCache compiled), `speed`,
+`per-call` (a user who makes a cache per request: a fresh cache and a real prefill in every call, static caches
+included; the first token's seconds, and decode as t(N+1) − t(1) from fresh caches; rows under "per_call").
 """
 
 from __future__ import annotations
@@ -51,7 +53,19 @@ KEY_BLOCKS = ",".join(str(b) for b in MIXED_KEY_BLOCKS)
 WIDE_HEADS = True  # --no-wide-heads: every head at 2 bits (the format before wide heads)
 
 
+_ROTATIONS: dict = {}
+
+
 def oscar_rotations(model, channels: bool = True):
+    """The rotations of `_oscar_rotations`, made once per (model, format) as a user loads them once (a cache made from
+    the same object checks the model's weight fingerprint once)."""
+    key = (id(model), channels, KEY_BLOCKS, WIDE_HEADS)
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = _oscar_rotations(model, channels)
+    return _ROTATIONS[key]
+
+
+def _oscar_rotations(model, channels: bool = True):
     """Data-free rotations in the default storage format: per-head key blocks (KEY_BLOCKS), as many wide heads as
     calibration's budget gives this geometry (`calibrate.allocate_wide_heads` within
     `CalibrationConfig().wide_budget`; which heads are wide comes from seeded random retrieval scores, random weights
@@ -302,6 +316,71 @@ def section_speed(device, archs, points, methods, new_tokens, rounds, copy_bw, o
             rows.append(measure_point(model, arch, length, batch, [m for m in methods if not only or m in only],
                                       new_tokens, rounds, device, copy_bw))
             rows[-1]["format"] = storage_format_text(model)
+            if on_row:
+                on_row(rows)
+    return rows
+
+
+def measure_per_call(model, arch, length, batch, methods, new_tokens, rounds, device, copy_bw):
+    """What a user who makes a cache per request waits for: each call gets a fresh cache (static ones too) and a real
+    prefill of the prompt. First token: generate with max_new_tokens=1; decode: (t(N+1) − t(1)) / N, both from a
+    fresh cache; methods interleaved, round 0 a warm-up, the best of `rounds`."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    times = {m: {"long": [], "short": []} for m in methods}
+    skipped = {}
+    for r in range(rounds + 1):
+        for m in methods:
+            if m in skipped:
+                continue
+            if time.time() > DEADLINE:
+                skipped[m] = "not run: the device-time budget of this call ran out"
+                continue
+            try:
+                for key, n in (("short", 1), ("long", new_tokens + 1)):
+                    cache = make_cache(m, model, batch, length + new_tokens + 8)
+                    dt = generate_once(model, cache, batch, length, n, m in COMPILED, device, method=m)
+                    del cache
+                    if r > 0:
+                        times[m][key].append(dt)
+            except Exception as e:
+                skipped[m] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(traceback.format_exc()[-1500:])
+            free()
+    row = dict(arch=arch, length=length, batch=batch, new_tokens=new_tokens, rounds=rounds, protocol="per-call",
+               skipped=skipped)
+    for m in methods:
+        if not times[m]["long"]:
+            continue
+        long_t, short_t = min(times[m]["long"]), min(times[m]["short"])
+        row[f"{m}_first_token_s"] = short_t
+        row[f"{m}_roofline_ms"] = 1000 * (weights + kv_bytes(m, model, batch, length)) / copy_bw
+        if long_t <= short_t:
+            skipped[m] = f"timing noise: generate of {new_tokens + 1} tokens took {long_t:.4f} s, of 1 token {short_t:.4f} s"
+            continue
+        row[f"{m}_tokens_per_s"] = batch * new_tokens / (long_t - short_t)
+        row[f"{m}_ms_per_step"] = 1000 * (long_t - short_t) / new_tokens
+    log(f"per call {arch} L={length} B={batch}: " + ", ".join(
+        f"{m} first token {row[f'{m}_first_token_s']:.2f} s, {row.get(f'{m}_ms_per_step', float('nan')):.1f} ms/step"
+        for m in methods if f"{m}_first_token_s" in row) + (f"  skipped {skipped}" if skipped else ""))
+    return row
+
+
+def section_per_call(device, archs, points, methods, new_tokens, rounds, copy_bw, on_row=None):
+    """`measure_per_call` at each (arch, point), one row each; `on_row(rows)` after each, as `section_speed`."""
+    import oscar_hf  # noqa: F401  (registers the "oscar" attention)
+
+    rows = []
+    for arch in archs:
+        model = tiny_qwen3(device) if arch == "tiny" else build_model(arch, device)
+        for length, batch, only in points:
+            if time.time() > DEADLINE:
+                rows.append(dict(arch=arch, length=length, batch=batch, protocol="per-call",
+                                 skipped={"all": "not run: out of device time"}))
+                continue
+            torch._dynamo.reset()
+            free()
+            rows.append(measure_per_call(model, arch, length, batch, [m for m in methods if not only or m in only],
+                                         new_tokens, rounds, device, copy_bw))
             if on_row:
                 on_row(rows)
     return rows
@@ -738,6 +817,15 @@ def main(argv=None):
 
                 save(section_speed(device, archs, points, methods, args.new_tokens, args.rounds,
                                    results["copy_bandwidth"], on_row=save))
+            elif name == "per-call":
+                before = list(results.get("per_call", []))
+
+                def save_per_call(rows):
+                    results["per_call"] = merge_speed_rows(before, rows)
+                    path.write_text(json.dumps(results, indent=1, default=str))
+
+                save_per_call(section_per_call(device, args.archs.split(","), points, methods, args.new_tokens,
+                                               args.rounds, results["copy_bandwidth"], on_row=save_per_call))
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:

@@ -343,7 +343,10 @@ class OscarLayer(CacheLayerMixin):
         return self.plan.length if self.is_compileable else self.plan.current_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.is_compileable:
+        # A static cache's decode steps keep one mask shape (compiled steps, CUDA graphs). An eager multi-token pass
+        # gets a mask over the keys it sees, as a dynamic cache's: a fresh prefill without padding then gets none at
+        # all, and sdpa its causal flash kernel instead of a materialized [T, max_cache_len] mask.
+        if self.is_compileable and (query_length == 1 or torch.compiler.is_compiling() or self.plan.host_length is None):
             return self.plan.max_length, 0
         return (self.plan.current_length() if self.is_initialized else 0) + query_length, 0
 

@@ -47,3 +47,21 @@ def test_bench_generate_smoke(tmp_path):
     assert (row["arch"], row["length"], row["batch"], row["new_tokens"], row["rounds"]) == ("tiny", 600, 2, 6, 1)
     environment = result["environment"]
     assert {"torch", "transformers"} <= set(environment) and "--points 600x2" in environment["command"]
+
+
+def test_bench_generate_per_call_protocol(tmp_path):
+    """The `per-call` section (a fresh cache and a real prefill in every call, static caches too): each method's first
+    token and decode step, in rows of their own beside the speed rows."""
+    out = tmp_path / "gpu"
+    methods = "bf16-static,oscar-eager,oscar-static-eager"
+    subprocess.run([sys.executable, str(REPO / "eval" / "bench_generate.py"), "--out", str(out), "--sections",
+                    "per-call", "--archs", "tiny", "--points", "300x1", "--new-tokens", "4", "--rounds", "1",
+                    "--methods", methods],
+                   check=True, cwd=tmp_path, timeout=600, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    result = json.loads((out / "bench_generate.json").read_text())
+    assert "errors" not in result and "speed" not in result
+    (row,) = result["per_call"]
+    assert (row["arch"], row["length"], row["batch"], row["protocol"]) == ("tiny", 300, 1, "per-call")
+    for m in methods.split(","):
+        assert row[f"{m}_first_token_s"] > 0 and row[f"{m}_roofline_ms"] > 0
+        assert row.get(f"{m}_ms_per_step", 0) > 0 or row["skipped"][m].startswith("timing noise"), row["skipped"]

@@ -75,6 +75,37 @@ def test_generate_gives_the_dynamic_cache_tokens():
     assert torch.equal(a, b)
 
 
+def test_an_eager_prefill_gets_a_mask_over_the_keys_it_sees(monkeypatch):
+    """A fresh prefill without padding reaches sdpa with no mask (is_causal: a GPU's flash kernel), not one
+    materialized over max_cache_len keys; with padding, a mask over the prompt only; decode steps keep one mask shape
+    over max_cache_len. The tokens stay the dynamic cache's."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, is_causal=False, **kwargs):
+        seen.append((query.shape[2], None if attn_mask is None else attn_mask.shape[-1], is_causal))
+        return sdpa(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    model, dyn, sta = _pair(max_cache_len=300)
+    ids = _ids(2, 30, 1)
+    with torch.no_grad():
+        want = model.generate(ids, cache=dyn, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        seen.clear()
+        got = model.generate(ids, cache=sta, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    layers = len(sta.geometry.oscar_layers)
+    assert seen[:layers] == [(30, None, True)] * layers  # the prefill: no mask, causal
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        sta.reset()
+        seen.clear()
+        model.generate(ids, attention_mask=mask, cache=sta, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert seen == [(30, 30, False)] * layers  # padding: a mask over the prompt's keys
+    assert sta.get_mask_sizes(1, 0) == (300, 0) and sta.get_mask_sizes(5, 0) == (35, 0)  # 30 stored
+
+
 def test_left_padded_batch_matches_the_dynamic_cache():
     model, dyn, sta = _pair()
     ids = _ids(2, 30, 2)
