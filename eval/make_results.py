@@ -334,10 +334,14 @@ def main(argv=None) -> None:
             "superscripts point to the commands under its table (without `--output`, `--threads`, `--quiet` and the "
             "default `--depths 0.1,0.3,0.5,0.7,0.9`); each JSON's `meta` has the exact command, data, versions and "
             "machine. Commands keep the method names of their day: `oscar-wide-channels` is today's `oscar`; an "
-            "`oscar` run before 2026-12-05 was an earlier default (not shown). The `oscar` cells were calibrated "
-            "before 2026-12-06, when calibration began to weigh a 2-bit head's key blocks in the channels it "
-            "stores: its perplexities are within 0.3% of these on every model and domain (research log, \"Which "
-            "key basis\"). H200 rows ran "
+            "`oscar` run before 2026-12-05 was an earlier default (not shown). The CPU `oscar` perplexities of "
+            "SmolLM2 and both Qwen2.5-Coder models, and their 4K essay needles on the CPU (1.5B's excepted), were "
+            "measured on 2026-12-07 with today's calibration and storage (each head fitted at the bits it stores, "
+            "wide heads unclipped); the change moved those perplexities by at most 0.2% on SmolLM2 and the 1.5B and "
+            "up to 1.6% on the 0.5B, toward BF16 (research log, \"Clips\"), and leaves Gemma-3, which has no wide "
+            "head, as it was. The other `oscar` cells were calibrated before 2026-12-06, when calibration began to "
+            "weigh a 2-bit head's key blocks in the channels it stores: its perplexities are within 0.3% of these on "
+            "every model and domain (research log, \"Which key basis\"). H200 rows ran "
             "through `bash eval/gpu_eval.sh`. Other variants and the history: "
             "[`docs/research-log.md`](../docs/research-log.md).",
             ""]
