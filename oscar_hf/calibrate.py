@@ -313,13 +313,18 @@ def clip_errors(
     norm = reference.square().sum().item()
     probs_quant = probs * quant
     errors: dict[str, dict[float, float]] = {"key": {}, "value": {}}
-    # Channel-wise keys are not clipped: every ratio gives the same error (ratio 1.0 wins the tie).
-    channel_keys = _quantized_keys(kr, config, head_bits=head_bits) if config.key_granularity == "channel" else None
-    for ratio in ratios:
-        k_hat = channel_keys if channel_keys is not None else _quantized_keys(kr, config, ratio, head_bits)
+
+    def key_error(k_hat):
         scores_hat = torch.where(exact, scores, torch.einsum("hgid,hjd->hgij", qr, k_hat) * scale)
         out = torch.einsum("hgij,hjd->hgid", attend(scores_hat), vr)
-        errors["key"][ratio] = (out - reference).square().sum().item() / norm
+        return (out - reference).square().sum().item() / norm
+
+    # Channel-wise keys are not clipped: every ratio gives the same error (ratio 1.0 wins the tie), computed once.
+    channel_error = key_error(_quantized_keys(kr, config, head_bits=head_bits)) \
+        if config.key_granularity == "channel" else None
+    for ratio in ratios:
+        errors["key"][ratio] = channel_error if channel_error is not None else key_error(
+            _quantized_keys(kr, config, ratio, head_bits))
         # Quantizing values changes the output by P_quant·(v̂ − v).
         values = layer_format(config, h, d, value_clip=ratio, head_bits=head_bits).values
         v_delta = _stored(vr, values) - vr
