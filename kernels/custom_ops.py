@@ -89,7 +89,8 @@ def segment_attention(
 def _(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k, extra_v,
       key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks, key_chunk,
       wide_rows, wide_channels):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # contiguous, as the kernel writes them (empty_like would copy a permuted q's strides)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _decode_attention(
