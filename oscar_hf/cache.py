@@ -150,6 +150,8 @@ class OscarLayer(CacheLayerMixin):
         capacity = -(-max(fixed - self.plan.sink, 1) // block) * block if fixed is not None else _INITIAL_ROWS
         self.storage.allocate(key_states, capacity)
         self.kernel = ops.use_kernels(key_states, self.fmt)
+        if self.kernel:
+            ops.make_kernel_tables(self.fmt, self.device)
         for history in (self.storage.keys, self.storage.values):
             history.kernel = self.kernel
         self._graph_key = None

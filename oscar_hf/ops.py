@@ -89,6 +89,21 @@ def _kernel_layout(fmt: StreamFormat) -> tuple[list[int], int, list[int], list[i
     return [], 0, list(fmt.wide_rows), []
 
 
+def make_kernel_tables(fmt: LayerFormat, device: torch.device) -> None:
+    """Makes the kernels' small per-layout device tables (cached in `kernels.quantize`) for both streams of `fmt`,
+    now: a layer calls this when it allocates its buffers, so that the first launch is never the one that makes them.
+    Inside a compiled forward's CUDA graphs that first launch would put them in the graphs' memory pool, which
+    cudagraph trees refuse ('tensor(s) in the cudagraph pool not tracked as outputs') and a later replay reuses."""
+    from .kernels.quantize import key_block_table, wide_channel_table, wide_row_table
+
+    for stream in (fmt.keys, fmt.values):
+        blocks, chunk, wide_rows, wide_channels = _kernel_layout(stream)
+        wide_row_table(wide_rows, stream.heads, device)
+        wide_channel_table(wide_channels, stream.heads, stream.head_dim, wide_rows, device)
+        if chunk:
+            key_block_table(blocks, chunk, device)
+
+
 # ------------------------------------------------------------------------------------------ quantize_pack
 def _write_rows(packed: Packed, codes: torch.Tensor, meta: torch.Tensor | None, rows: torch.Tensor,
                 due: torch.Tensor | None = None) -> None:

@@ -793,6 +793,33 @@ def test_a_model_through_the_kernels_matches_the_torch_path(monkeypatch):
         assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
 
 
+def test_a_layer_makes_the_kernels_tables_with_its_buffers(monkeypatch):
+    """The kernels' per-layout device tables are made when a layer allocates its buffers, so that no launch makes
+    one: inside a compiled forward in reduce-overhead mode, the first launch put one in the CUDA graphs' memory pool,
+    which cudagraph trees refused (on an H100, when that test ran first)."""
+    from conftest import VOCAB
+    from oscar_hf import OscarConfig, OscarRotations, StaticOscarCache
+    from oscar_hf.kernels import quantize as kq
+
+    for name in ("_KEY_BLOCK_TABLES", "_WIDE_TABLES", "_WIDE_CHANNEL_TABLES"):
+        monkeypatch.setattr(kq, name, {})
+    monkeypatch.setenv("OSCAR_HF_KERNELS", "1")
+    model = _kernel_model()
+    config = OscarConfig(sink_tokens=4, window_tokens=8, demotion_block=16, key_block=16, value_clip=0.9)
+    cache = StaticOscarCache(model, _with_wide_heads(OscarRotations.data_free(model, "hadamard"), (2, 4)), config,
+                             max_cache_len=48)
+    empty = torch.zeros(1, 2, 0, 64, dtype=torch.bfloat16)
+    cache.layers[0].lazy_initialization(empty, empty)
+    assert cache.layers[0].kernel
+    made = {name: dict(getattr(kq, name)) for name in ("_KEY_BLOCK_TABLES", "_WIDE_TABLES")}
+    assert all(made.values()), made  # channel-wise key blocks, one wide head
+    with torch.no_grad():
+        ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, past_key_values=cache)  # a prefill: quantize_pack and segment_attention
+    for name, tables in made.items():
+        assert getattr(kq, name).keys() == tables.keys(), name
+
+
 @pytest.mark.parametrize("layout", ["token", "channel"])
 def test_a_static_cache_decode_through_the_kernels_matches_the_torch_path(monkeypatch, layout):
     """StaticOscarCache's decode steps with the kernels (`rotate_store_token`, the value and key-block writes from
