@@ -12,7 +12,9 @@ oscar-hf: it is resolved to its local folder, never looked up on the Hub (`oscar
 lm-eval 0.4.13 discovers model types only through its registry, so `lm_eval --model oscar` works once this module is
 imported; the two commands above import it, add this package's offline tasks (`--include_path`), and hand the
 arguments to lm-eval's own command line. In Python: `OscarLM(pretrained=model, tokenizer=tok, method="oscar",
-rotations=rot)` with `lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=task_manager())`.
+rotations=rot)` with `lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=task_manager())`. RULER's offline
+tasks (`niah_*`, `ruler_vt/cwe/fwe`) come with them: see `oscar_hf.evaluation.ruler` (`--metadata
+'{"max_seq_lengths":[4096]}'`, in Python `task_manager(metadata={...})`).
 
 Why a model type and not `generation_kwargs`: a plain HFLM scores a loglikelihood request with ONE forward pass over
 context + continuation, in which every token attends to the others in full precision; a quantized cache, even if
@@ -38,6 +40,7 @@ id, for calibrated methods), sink, window, residual, score_chunk (default 128).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import re
@@ -220,8 +223,9 @@ def task_dir() -> Path:
     """A folder with this package's offline lm-eval tasks, their data paths made absolute (lm-eval resolves
     `data_files` against the working directory, not the YAML): `oscar_bb_siqa` (BIG-bench social_iqa, multiple
     choice, few-shot pool of 50; 0-shot by default, which stays in the BF16 windows), `oscar_bb_siqa_long` (the same,
-    25-shot by default: most of each context is in the quantized history) and `oscar_pg_ppl` (rolling
-    loglikelihood of 10 evaluation essays)."""
+    25-shot by default: most of each context is in the quantized history), `oscar_pg_ppl` (rolling
+    loglikelihood of 10 evaluation essays), and RULER's 11 offline tasks under lm-eval's names (`niah_*`,
+    `ruler_vt`, `ruler_cwe`, `ruler_fwe`), made to run without network by `oscar_hf.evaluation.ruler`."""
     folder = Path(tempfile.mkdtemp(prefix="oscar_lm_eval_tasks_"))
     test, fewshot = TASKS_DIR / "bb_siqa_test.jsonl", TASKS_DIR / "bb_siqa_fewshot.jsonl"
     (folder / "oscar_bb_siqa.yaml").write_text(
@@ -229,26 +233,33 @@ def task_dir() -> Path:
     )
     (folder / "oscar_bb_siqa_long.yaml").write_text((TASKS_DIR / "oscar_bb_siqa_long.yaml").read_text())
     from ..assets import essay_split
+    from .ruler import write_task_files
 
     essays = list(essay_split("eval").values())[:10]
     data = folder / "pg_ppl.jsonl"
     data.write_text("".join(json.dumps({"text": e[:3000]}) + "\n" for e in essays))
     (folder / "oscar_pg_ppl.yaml").write_text((TASKS_DIR / "oscar_pg_ppl.yaml").read_text().replace("@DATA@", str(data)))
+    write_task_files(folder)
     return folder
 
 
-_TASK_MANAGER = None
+def task_manager(metadata: dict | None = None):
+    """lm-eval's `TaskManager` with this package's offline tasks, `metadata` given to every task as lm-eval's
+    `--metadata` is (RULER reads `max_seq_lengths`, `pretrained` or `tokenizer` to size its prompts, and
+    `haystack_file`). Pass metadata here: `simple_evaluate` ignores its own `metadata=` once given a task manager.
+    One manager per distinct (JSON-able) `metadata` is built per process (indexing lm-eval's own tasks takes
+    10-20 s on a small CPU), then reused."""
+    return _task_manager(json.dumps(metadata or {}, sort_keys=True))
 
 
-def task_manager():
-    """lm-eval's `TaskManager` with this package's offline tasks; built once per process (indexing lm-eval's own
-    tasks takes 10-20 s on a small CPU), then reused."""
-    global _TASK_MANAGER
+@functools.lru_cache(maxsize=None)
+def _task_manager(metadata_json: str):
     from lm_eval.tasks import TaskManager
 
-    if _TASK_MANAGER is None:
-        _TASK_MANAGER = TaskManager(include_path=str(task_dir()))
-    return _TASK_MANAGER
+    from .ruler import quiet_task_takeover
+
+    with quiet_task_takeover():
+        return TaskManager(include_path=str(task_dir()), metadata=json.loads(metadata_json) or None)
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -262,10 +273,13 @@ def cli_main(argv: list[str] | None = None) -> int:
         argv += ["--include_path", str(task_dir())]
     from lm_eval.__main__ import cli_evaluate
 
+    from .ruler import quiet_task_takeover
+
     saved = sys.argv
     sys.argv = ["lm_eval"] + argv
     try:
-        cli_evaluate()
+        with quiet_task_takeover():
+            cli_evaluate()
     finally:
         sys.argv = saved
     return 0
