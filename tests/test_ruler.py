@@ -5,6 +5,7 @@ through the Python API and the command line, and generation through the method's
 import sys
 
 import pytest
+import torch
 
 from conftest import tiny_model
 
@@ -175,3 +176,97 @@ def test_max_seq_lengths_through_the_command_line(monkeypatch, tokenizer_dir):
     assert "/oscar_lm_eval_tasks_" in task.config.metadata["config_source"]  # this package's task, not lm-eval's
     docs = list(task.eval_docs)
     assert docs and {d["max_length"] for d in docs} == {768}
+
+
+# ------------------------------------------------------------------------------------------------ one prefill per prompt
+def test_every_method_answers_from_one_prefill_as_lm_eval_would(monkeypatch, tokenizer_dir):
+    """`ruler_runs.run_request`: one prefill for all the methods of a request; the BF16 answer is the one lm-eval's
+    own `generate_until` gives for that request (float32, so the split of the last token cannot change it), scored
+    by the task; the 2-bit method's cache holds the prompt's history quantized."""
+    from transformers import AutoTokenizer
+
+    from oscar_hf.evaluation import ruler_runs
+    from oscar_hf.evaluation.lm_eval_model import OscarLM, task_manager
+    from oscar_hf.evaluation.methods import Windows, all_methods
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model("llama", vocab_size=len(tokenizer))  # random weights, SmolLM2's tokenizer
+    lm = OscarLM(pretrained=model, tokenizer=tokenizer, method="bf16", batch_size=1)
+    windows = Windows(sink=4, window=16, residual=32)
+    methods = {name: all_methods(windows)[name] for name in ("bf16", "naive-int2")}
+    # the metadata of the end-to-end test above: its task manager (8 s of lm-eval's task indexing) is reused
+    manager = task_manager(metadata={"max_seq_lengths": [512], "pretrained": "offline:smollm2-135m"})
+    task, (request,) = ruler_runs.ruler_requests("niah_single_1", manager, limit=1)
+    assert request.length == 512 and request.generation_kwargs["max_gen_toks"] == 128
+
+    prefills, caches = [], []
+    real_prefill, real_fill = ruler_runs.prefill, ruler_runs.fill_from_prefill
+    monkeypatch.setattr(ruler_runs, "prefill", lambda *a: prefills.append(a) or real_prefill(*a))
+    monkeypatch.setattr(ruler_runs, "fill_from_prefill", lambda c, s: caches.append(real_fill(c, s)) or caches[-1])
+    records = ruler_runs.run_request(lm, task, request, methods, {})
+    assert len(prefills) == 1 and [r["method"] for r in records] == ["bf16", "naive-int2"]
+    (expected,) = lm.generate_until([_instance(request)])
+    assert records[0]["answer"] == expected
+    assert records[0]["score"] == task.process_results(request.doc, [expected])["512"]
+    assert records[0]["bits_per_element"] == 32.0 > 4 * records[1]["bits_per_element"]  # a float32 model
+    assert caches[1].get_seq_length() > 400  # the prompt and the answer went through the 2-bit cache
+
+
+def _instance(request):
+    from lm_eval.api.instance import Instance
+
+    return Instance("generate_until", request.doc, (request.context, dict(request.generation_kwargs)), 0)
+
+
+def test_ruler_results_keep_other_runs_requests_and_summarize_per_length(tmp_path):
+    from oscar_hf.evaluation.ruler_runs import summarize
+    from oscar_hf.evaluation.runner import Session
+
+    def record(task, doc_id, method, score):
+        return {"task": task, "length": 4096, "doc_id": doc_id, "method": method, "score": score}
+
+    meta = lambda command: {"command": command, "date": "d", "methods": {"bf16": {}, "oscar": {}}}  # noqa: E731
+    path = tmp_path / "ruler.json"
+    Session._write_ruler(path, None, meta("first"), [record("niah_single_1", 0, "bf16", 1.0),
+                                                     record("niah_single_1", 1, "bf16", 0.0)])
+    import json
+
+    first = json.loads(path.read_text())
+    Session._write_ruler(path, first, meta("second"), [record("niah_single_1", 1, "bf16", 1.0),
+                                                       record("ruler_vt", 0, "oscar", 0.4)])
+    second = json.loads(path.read_text())
+    assert len(second["results"]["requests"]) == 3  # doc 1 measured again replaces the first run's
+    assert second["meta"]["carried_over"]["command"] == "first"
+    summary = second["results"]["summary"]["4096"]
+    assert summary["bf16"]["niah_single_1"] == 1.0 and summary["bf16"]["requests"] == {"niah_single_1": 2}
+    assert summary["oscar"] == summarize([record("ruler_vt", 0, "oscar", 0.4)])[4096]["oscar"]
+    assert summarize([record("a", 0, "m", 1.0), record("b", 0, "m", 0.0), record("b", 1, "m", 1.0)])[4096]["m"][
+        "average"] == 0.75  # the mean over tasks of each task's mean
+
+
+def test_ruler_requests_draw_the_same_samples_in_every_run(monkeypatch):
+    """RULER draws its samples at random when its task is built: the generators are seeded first, as lm-eval's
+    `simple_evaluate` seeds them (a stand-in task records what it would draw)."""
+    import random
+
+    import lm_eval.tasks
+    import numpy as np
+
+    from oscar_hf.evaluation import ruler_runs
+
+    class Task:
+        OUTPUT_TYPE = "generate_until"
+        instances = []
+
+        def __init__(self):
+            self.drawn = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+
+        def build_all_requests(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(lm_eval.tasks, "get_task_dict", lambda names, manager: {names[0]: Task()})
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    first, _ = ruler_runs.ruler_requests("niah_single_1", None)
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    second, _ = ruler_runs.ruler_requests("niah_single_1", None)
+    assert first.drawn == second.drawn

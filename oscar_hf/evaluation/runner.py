@@ -12,6 +12,8 @@ Stages (each writes `<output>/<model>/<stage>.json`):
 - lm-eval:     offline lm-eval tasks through `OscarLM` (`lm_eval_model.py`).
 - format:      perplexity of the default with one of its refinements taken away (`format_ppl.json`; not part of
                `all`).
+- ruler:       RULER's offline tasks (`ruler_runs.py`): lm-eval's prompts and scoring, every method's cache filled
+               from one prefill per prompt (`ruler.json`; not part of `all`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .methods import (Method, RotationStore, Windows, ablation_methods, all_meth
                       head_dim_of, main_methods, nominal_history_bits)
 
 STAGES = ("ppl", "ablations", "diagnostics", "niah", "lm-eval")
-EXPERIMENTS = ("format",)  # stages outside `all`
+EXPERIMENTS = ("format", "ruler")  # stages outside `all`
 # the default's refinements, one taken away at a time, against the paper layout and KIVI-2 at equal and more bits
 FORMAT_METHODS = ("bf16,oscar-token,oscar-token-centered,oscar-uniform-b64,oscar-no-wide,oscar-uniform-channels,oscar,"
                   "kivi2-g64,kivi2")
@@ -239,6 +241,66 @@ class Session:
                     "protocol": "haystack prefilled once in BF16; each method's cache built from those keys/values "
                                 "with cache.update; question fed through the cache; greedy answer"})
                 path = self.write_records(stage, meta, records, {_trial_key(r) for r in records})
+        return path
+
+    def ruler(self, methods: dict[str, Method], tasks: list[str], lengths, limit: int | None) -> Path:
+        """RULER's offline tasks at each length (`ruler_runs`): lm-eval's first `limit` requests of each task, every
+        method on each request from one prefill. Per-request records and their summary go to
+        `<output>/<model>/ruler.json`, written after every (length, task); records of an earlier file for requests
+        this run does not measure (task, length, document, method) are kept, with that file's command."""
+        from .lm_eval_model import OscarLM, task_manager
+        from .ruler import OFFLINE_TASKS
+        from .ruler_runs import ruler_requests, run_request, summarize
+
+        unknown = sorted(set(tasks) - set(OFFLINE_TASKS))
+        if unknown:
+            raise ValueError(f"not an offline RULER task: {', '.join(unknown)} (offline: {', '.join(OFFLINE_TASKS)})")
+        path = self.result_path("ruler")
+        old = json.loads(path.read_text()) if path.is_file() else None
+        rotations = self.rotations(methods)
+        lm = OscarLM(pretrained=self.model, tokenizer=self.tokenizer, method="bf16", batch_size=1)  # lm-eval's I/O
+        run_date = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        records = []
+        for length in lengths:
+            manager = task_manager(metadata={"max_seq_lengths": [length], "tokenizer": self.tokenizer.name_or_path})
+            for task_name in tasks:
+                start = time.perf_counter()
+                task, requests = ruler_requests(task_name, manager, limit)
+                for request in requests:
+                    rows = run_request(lm, task, request, methods, rotations)
+                    records.extend({**row, "date": run_date} for row in rows)
+                    scores = " ".join(f"{r['method']}={r['score']:.2f}" for r in rows)
+                    print(f"[{self.info['name']}] ruler {task_name} L={length} doc {request.doc_id} prefill "
+                          f"{rows[0]['prefill_seconds']} s: {scores}", flush=True)
+                seconds = round(time.perf_counter() - start, 1)
+                print(f"[{self.info['name']}] ruler {task_name} L={length}: {len(requests)} requests in {seconds} s",
+                      flush=True)
+                meta = self.meta("ruler", methods, {
+                    "date": run_date, "tasks": list(tasks), "lengths": list(lengths), "limit": limit,
+                    "calibration": self.calibration_meta(rotations),
+                    "protocol": "lm-eval's RULER requests (oscar_hf.evaluation.ruler, offline) and scoring; the "
+                                "context but its last token prefilled once in the model's dtype, each method's cache "
+                                "filled from it; the last token and the greedy answer through that cache"})
+                path = self._write_ruler(path, old, meta, records)
+        print(json.dumps(summarize(records), indent=1), flush=True)
+        return path
+
+    @staticmethod
+    def _write_ruler(path: Path, old: dict | None, meta: dict, records: list[dict]) -> Path:
+        from .ruler_runs import summarize
+
+        key = lambda r: (r["task"], r["length"], r["doc_id"], r["method"])  # noqa: E731
+        measured = {key(r) for r in records}
+        kept = [r for r in old["results"]["requests"] if key(r) not in measured] if old else []
+        if kept:
+            check_same_methods(old["meta"]["methods"], meta["methods"], {r["method"] for r in kept})
+            meta = {**meta, "methods": {**old["meta"]["methods"], **meta["methods"]},
+                    "carried_over": {"command": old["meta"].get("carried_over", {}).get("command") or
+                                     old["meta"]["command"], "date": old["meta"]["date"]}}
+        everything = kept + records
+        path.write_text(json.dumps({"meta": meta, "results": {"summary": summarize(everything),
+                                                              "requests": everything}}, indent=1, default=_jsonable))
+        print(f"wrote {path}", flush=True)
         return path
 
     def write_records(self, stage: str, meta: dict, records: list[dict], measured: set[tuple]) -> Path:
@@ -497,11 +559,17 @@ def run(args) -> int:
         elif stage == "diagnostics":
             session.diagnostics(select(main_methods(windows), args.diagnostic_methods), sequences=args.diagnostic_sequences)
         elif stage == "niah":
-            lengths = [int(x) for x in args.lengths.split(",")]
+            lengths = [int(x) for x in (args.lengths or "2048,4096,8000").split(",")]
             depths = [float(x) for x in args.depths.split(",")]
             seeds = [int(x) for x in args.seeds.split(",")]
             session.niah(select(all_methods(windows), args.methods or ",".join(main_methods(windows))), lengths, depths,
                          seeds, args.max_new_tokens, args.needles)
+        elif stage == "ruler":
+            from .ruler import OFFLINE_TASKS
+
+            tasks = [t.strip() for t in (args.tasks or ",".join(OFFLINE_TASKS)).split(",") if t.strip()]
+            session.ruler(select(all_methods(windows), args.methods or ",".join(main_methods(windows))), tasks,
+                          [int(x) for x in (args.lengths or "4096").split(",")], args.limit)
         elif stage == "format":
             session.perplexity(select({**main_methods(windows), **format_methods(windows)}, args.methods or FORMAT_METHODS),
                                stage="format_ppl", sequences=args.sequences, length=args.length, context=args.context,
@@ -520,7 +588,7 @@ def run_tasks(args) -> int:
                       args.calibration_length)
     methods = select(main_methods(windows), args.methods)
     rotations = session.rotations(methods)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = [t.strip() for t in (args.tasks or "oscar_bb_siqa").split(",") if t.strip()]
     manager = task_manager()
     results = {}
     for name, method in methods.items():
@@ -576,13 +644,15 @@ def add_eval_arguments(parser) -> None:
     parser.add_argument("--length", type=int, default=2048, help="perplexity: tokens per sequence")
     parser.add_argument("--context", type=int, default=512, help="perplexity: tokens prefilled before scoring")
     parser.add_argument("--chunk", type=int, default=128, help="perplexity: tokens per scored chunk")
-    parser.add_argument("--lengths", default="2048,4096,8000", help="NIAH: prompt lengths in tokens")
+    parser.add_argument("--lengths", default=None,
+                        help="NIAH: prompt lengths in tokens (default 2048,4096,8000); ruler: RULER lengths (default 4096)")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="NIAH: needle depths")
     parser.add_argument("--seeds", default="0", help="NIAH: seeds")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="NIAH: tokens generated for the answer")
     parser.add_argument("--needles", type=int, default=1,
                         help="NIAH: needles of the same pattern in the haystack (one is asked for); results niahN.json")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--tasks", default="oscar_bb_siqa", help="lm-eval: task names")
+    parser.add_argument("--tasks", default=None,
+                        help="lm-eval: task names (default oscar_bb_siqa); ruler: offline RULER tasks (default: all 11)")
     parser.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
-    parser.add_argument("--limit", type=int, default=None, help="lm-eval: documents per task")
+    parser.add_argument("--limit", type=int, default=None, help="lm-eval, ruler: documents per task (and length)")
