@@ -32,9 +32,13 @@ notebook: install
 # transformers' newest release (setup.cfg allows < 6, so a plain `pip install` gets it; constraints.txt pins the one
 # the suite runs on) with the dependencies it needs beyond the venv's (resolved by pip against the venv, e.g.
 # Hugging Face's `kernels`), in a throwaway folder put on PYTHONPATH; then tests/test_repo_root.py from the repository
-# root, whose folder kernels/ shares its import name with that package. The venv is left as it is.
+# root, whose folder kernels/ shares its import name with that package. The venv is left as it is. CI fetches while
+# the suite runs (fetch-newest-transformers, mostly waiting on the network), then runs smoke-newest-transformers.
 NEWEST := .cache/transformers-newest
-check-newest-transformers: install
+check-newest-transformers: fetch-newest-transformers
+	$(MAKE) smoke-newest-transformers
+
+fetch-newest-transformers: install
 	rm -rf $(NEWEST) && mkdir -p $(NEWEST)
 	$(BIN)/pip install -q --dry-run --upgrade --report $(NEWEST)/report.json "transformers<6"
 	$(BIN)/python -c "import json, sys; items = json.load(open(sys.argv[1]))['install']; \
@@ -43,7 +47,10 @@ check-newest-transformers: install
 	! grep -qi '^torch==' $(NEWEST)/requirements.txt  # the CPU torch of the venv stays
 	$(BIN)/pip install -q --no-compile --no-deps --target $(NEWEST)/site -r $(NEWEST)/requirements.txt
 	cat $(NEWEST)/requirements.txt
+
+smoke-newest-transformers:
+	@test -d $(NEWEST)/site || { echo "$(NEWEST)/site is missing: run make fetch-newest-transformers first"; exit 1; }
 	PYTHONPATH=$(NEWEST)/site OSCAR_HF_EXPECT_TRANSFORMERS=$$(grep -i '^transformers==' $(NEWEST)/requirements.txt | cut -d= -f3) \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_repo_root.py
 
-.PHONY: install demo test notebook check-newest-transformers
+.PHONY: install demo test notebook check-newest-transformers fetch-newest-transformers smoke-newest-transformers

@@ -2,8 +2,9 @@
 `sys.path`, where the folder `kernels/` (installed as `oscar_hf.kernels`) sits under the import name of Hugging Face's
 `kernels` package, which transformers >= 5.25 depends on and imports at start-up.
 
-`make check-newest-transformers` (run by CI) runs this file with the newest transformers release (and its `kernels`)
-on PYTHONPATH, from the repository root, with `OSCAR_HF_EXPECT_TRANSFORMERS` naming the version it installed."""
+`make check-newest-transformers` (CI runs its two halves, the fetch beside the suite) runs this file with the newest
+transformers release (and its `kernels`) on PYTHONPATH, from the repository root, with `OSCAR_HF_EXPECT_TRANSFORMERS`
+naming the version it installed."""
 
 import os
 import subprocess
