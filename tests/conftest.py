@@ -97,11 +97,21 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_rotations(smollm2):
+def smollm2_float32():
+    """The same SmolLM2-135M in float32, for the accuracy tests (`test_real_model.py`): on CPUs without bfloat16
+    matrix units (CI's) its forward takes about a quarter of the bfloat16 one's time, and the relations between the
+    caches those tests check do not depend on the model's dtype."""
+    from oscar_hf import assets
+
+    return assets.load_model("smollm2-135m", dtype=torch.float32, attn_implementation="oscar")
+
+
+@pytest.fixture(scope="session")
+def smollm2_rotations(smollm2_float32):
     from oscar_hf import CalibrationConfig
     from oscar_hf.calibrate import calibrate
 
-    model, tokenizer = smollm2
+    model, tokenizer = smollm2_float32
     return calibrate(model, tokenizer, calibration=CalibrationConfig(tokens=4096), progress=False)
 
 
