@@ -335,7 +335,7 @@ def main(argv=None) -> None:
             "default `--depths 0.1,0.3,0.5,0.7,0.9`); each JSON's `meta` has the exact command, data, versions and "
             "machine. Commands keep the method names of their day: `oscar-wide-channels` is today's `oscar`; an "
             "`oscar` run before 2026-12-05 was an earlier default (not shown). The CPU `oscar` perplexities of "
-            "SmolLM2 and both Qwen2.5-Coder models, and their 4K essay needles on the CPU (1.5B's excepted), were "
+            "SmolLM2 and both Qwen2.5-Coder models, and their 4K essay needles on the CPU, were "
             "measured on 2026-12-07 with today's calibration and storage (each head fitted at the bits it stores, "
             "wide heads unclipped); the change moved those perplexities by at most 0.2% on SmolLM2 and the 1.5B and "
             "up to 1.6% on the 0.5B, toward BF16 (research log, \"Clips\"), and leaves Gemma-3, which has no wide "
