@@ -10,6 +10,8 @@ Sections (results go to DIR/bench_gpu.json after each section, a summary table i
   tune    a small sweep of the decode kernel's launch parameters; the best is used below
   micro   decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128) at 4K-128K tokens,
           batch 1/8/32: time, bytes it must read, achieved bandwidth vs the measured copy bandwidth, vs BF16 sdpa
+  history the CUDA history kernel (opt-in, OSCAR_HF_DECODE_KERNEL=cuda) against its twin, then against the Triton
+          kernel per layer, interleaved (points: --micro-points)
   quant   the demotion (64 tokens per layer, every 64 steps) and prefill quantization cost
   memory  KV bytes really allocated (CUDA allocator) and bits per element at 32K and 128K
   e2e     decode step of random-weight Qwen3-4B / Qwen3-8B: DynamicCache BF16 vs OscarCache vs transformers'
@@ -676,6 +678,92 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
     return rows
 
 
+def section_history(device, quick, copy_bw, points=None):
+    """The CUDA history kernel (`OSCAR_HF_DECODE_KERNEL=cuda`, kernels/cuda_history.py) against the Triton kernel:
+    first each against the torch twin (host lengths, device lengths, a CUDA-graph replay, a mask with holes), then
+    decode attention per layer (stage 1 + merge, graph-replayed) with both kernels interleaved, Qwen3-8B geometry,
+    layouts the CUDA kernel covers ("default": uniform blocks of 64; "mixed": per-head blocks 32/64/128)."""
+    from oscar_hf.kernels import cuda_history
+    from oscar_hf.kernels.attention import decode_attention_triton, segment_attention_triton
+
+    def with_kernel(name, fn):
+        saved = os.environ.get(cuda_history.ENV)
+        os.environ[cuda_history.ENV] = name
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop(cuda_history.ENV)
+            else:
+                os.environ[cuda_history.ENV] = saved
+
+    rows = []
+    checks = [(1, 4096, "default", 1), (3, 33000, "mixed", 1), (2, 9000, "default", 2), (1, 100_000, "mixed", 1)]
+    for b, length, layout, t in (checks[:2] if quick else checks):
+        args = list(random_segments(b, 8, 4, length, 128, t=t, device=device, layout=layout))
+        n = length + t
+        mask = torch.ones(b, n, dtype=torch.bool, device=device)
+        mask[-1, : 9 + SINK + 300] = False  # a left-padded row: sink and the first 300 history tokens hidden
+        args[11] = mask
+        ref, _ = segment_reference(args)
+        low, _ = segment_reference(args, emulate_bf16=True)
+        tri, _ = with_kernel("triton", lambda: segment_attention_triton(*args))
+        cud, _ = with_kernel("cuda", lambda: segment_attention_triton(*args))
+        # device lengths (a static cache's decode step), the recent window as a ring from slot 0, in a CUDA graph
+        q, sk, sv, ck, mk, cv, mv, rk, rv = args[:9]
+        lengths = torch.tensor([args[12], args[13], args[14], 0, args[17]], dtype=torch.int32, device=device)
+        step = lambda: decode_attention_triton(q, sk, sv, ck, mk, cv, mv, rk, rv, mask, lengths, t, args[18],  # noqa: E731
+                                                args[19], args[20], wide_rows=args[21], wide_channels=args[22])
+        dev = with_kernel("cuda", step)
+        replayed = dev
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = with_kernel("cuda", step)
+            replayed.zero_()
+            graph.replay()
+            sync()
+            del graph
+        err = lambda x: (x.float() - ref.float()).abs().max().item()  # noqa: E731
+        bound = 2 * max(err(low), err(tri)) + 1e-3
+        row = dict(kind="history_check", batch=b, length=length, layout=layout, t=t, err_cuda=err(cud),
+                   err_triton=err(tri), err_bf16_twin=err(low), err_device_lengths=err(dev), err_graph=err(replayed),
+                   bound=bound)
+        row["passed"] = all(row[k] <= bound for k in ("err_cuda", "err_device_lengths", "err_graph"))
+        log(f"history check B={b} L={length} {layout} t={t}: cuda {row['err_cuda']:.2e} device lengths "
+            f"{row['err_device_lengths']:.2e} graph {row['err_graph']:.2e} | triton {row['err_triton']:.2e} bf16 twin "
+            f"{row['err_bf16_twin']:.2e} -> {'PASS' if row['passed'] else 'FAIL'}")
+        rows.append(row)
+        del args, mask, ref, low, tri, cud, dev, replayed
+        free()
+    plan = [(1, 32768, "default"), (1, 100_000, "default"), (8, 32768, "default"), (1, 4096, "default"),
+            (1, 100_000, "mixed"), (8, 32768, "mixed"), (32, 32768, "default")]
+    if points:
+        plan = [(int(p.split(":")[0].split("x")[1]), int(p.split(":")[0].split("x")[0]), p.split(":")[1])
+                for p in points.split(",")]
+    for b, length, layout in (plan[:1] if quick else plan):
+        if time.time() > DEADLINE:
+            log(f"history: deadline reached before B={b} L={length} {layout}")
+            break
+        args = decode_args(b, length, device, layout=layout)
+        nbytes = bytes_read(args)
+        row = dict(kind="history_speed", batch=b, length=length, layout=layout, bytes=nbytes)
+        for rep in range(2):  # interleaved: triton, cuda, triton, cuda; the best of each
+            for name in ("triton", "cuda"):
+                us = with_kernel(name, lambda: bench_graph(lambda: segment_attention_triton(*args)))
+                row[f"{name}_us"] = min(row.get(f"{name}_us", float("inf")), us)
+        for name in ("triton", "cuda"):
+            row[f"{name}_fraction_of_copy_bw"] = nbytes / (row[f"{name}_us"] * 1e-6) / copy_bw
+        row["speedup"] = row["triton_us"] / row["cuda_us"]
+        log(f"history B={b:2d} L={length:6d} {layout}: triton {row['triton_us']:8.1f} us "
+            f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda {row['cuda_us']:8.1f} us "
+            f"({100 * row['cuda_fraction_of_copy_bw']:5.1f}%) | x{row['speedup']:.2f}")
+        rows.append(row)
+        del args
+        free()
+    return rows
+
+
 def section_quant(device, quick):
     rows = []
     for b in ([1, 8, 32] if not quick else [1]):
@@ -1050,6 +1138,9 @@ def main(argv=None):
                 results["micro_tuned" if tuned else "micro"] = section_micro(device, args.quick, tuned,
                                                                              results["copy_bandwidth"],
                                                                              args.micro_points)
+            elif name == "history":
+                results["history"] = section_history(device, args.quick, results["copy_bandwidth"],
+                                                     args.micro_points)
             elif name == "quant":
                 results["quant"] = section_quant(device, args.quick)
             elif name == "memory":

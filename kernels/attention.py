@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ..format import kernel_layout_problem
+from . import cuda_history
 from .quantize import key_block_table, key_rows_per_chunk, to_storage, wide_channel_table, wide_row_table
 
 LOG2E = 1.4426950408889634
@@ -607,7 +608,7 @@ def _segment_attention_kernel(
     D: tl.constexpr, GROUPS: tl.constexpr, KEY_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, UPCAST: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, PTX_UNPACK: tl.constexpr,
     META_WORDS: tl.constexpr, PREFETCH: tl.constexpr, L2_AHEAD: tl.constexpr, KEY_SPLIT: tl.constexpr,
-    WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr,
+    WIDE: tl.constexpr, WIDE_CHANNELS: tl.constexpr, SKIP_HISTORY: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -667,43 +668,44 @@ def _segment_attention_kernel(
             sink_k, sink_v, ss_b, ss_h, ss_t, ss_d, b, h, 0, hi, 0,
             mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
     elif split < recent_split:
-        lo = (split - 1) * hist_chunk
-        hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
-        # The codes are fp16 (see _planes), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
-        # scale keeps |q| far from fp16's range limit).
-        h0 = (q0.to(tl.float32) * scale).to(tl.float16)
-        h1 = (q1.to(tl.float32) * scale).to(tl.float16)
-        h2 = (q2.to(tl.float32) * scale).to(tl.float16)
-        h3 = (q3.to(tl.float32) * scale).to(tl.float16)
-        qs0 = tl.sum(h0.to(tl.float32), axis=1)
-        qs1 = tl.sum(h1.to(tl.float32), axis=1)
-        qs2 = tl.sum(h2.to(tl.float32), axis=1)
-        qs3 = tl.sum(h3.to(tl.float32), axis=1)
-        if WIDE_CHANNELS:
-            # channel-wise keys with wide key channels (`channel_table` [H] int32: n per head): key slot c holds a
-            # code of channel π(c) (c, or c − (D − n) in the last n slots), so its scale meets the query gathered
-            # by π, loaded and pre-scaled as h0..h3 (`_channel_plane`)
-            n_wide = tl.load(channel_table + h)
-            g0 = _paired_query_plane(q_base, sq_d, row_ok, 0, n_wide, scale, D)
-            g1 = _paired_query_plane(q_base, sq_d, row_ok, 1, n_wide, scale, D)
-            g2 = _paired_query_plane(q_base, sq_d, row_ok, 2, n_wide, scale, D)
-            g3 = _paired_query_plane(q_base, sq_d, row_ok, 3, n_wide, scale, D)
-        else:
-            g0, g1, g2, g3 = h0, h1, h2, h3
-        if META_WORDS:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range_words(
-                h0, h1, h2, h3, g0, g1, g2, g3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-                codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
-                meta_k, smk_b, smk_h, smk_t, smk_g, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t,
-                b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, wide_row, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST,
-                PTX_UNPACK, PREFETCH, L2_AHEAD, KEY_SPLIT, WIDE)
-        else:
-            m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
-                h0, h1, h2, h3, g0, g1, g2, g3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
-                codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
-                meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
-                sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, wide_row, D, GROUPS, KEY_CHUNK, BLOCK_N,
-                HAS_MASK, UPCAST, PTX_UNPACK, KEY_SPLIT, WIDE)
+        if not SKIP_HISTORY:  # else the CUDA history kernel writes these splits after this launch (cuda_history.py)
+            lo = (split - 1) * hist_chunk
+            hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
+            # The codes are fp16 (see _planes), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
+            # scale keeps |q| far from fp16's range limit).
+            h0 = (q0.to(tl.float32) * scale).to(tl.float16)
+            h1 = (q1.to(tl.float32) * scale).to(tl.float16)
+            h2 = (q2.to(tl.float32) * scale).to(tl.float16)
+            h3 = (q3.to(tl.float32) * scale).to(tl.float16)
+            qs0 = tl.sum(h0.to(tl.float32), axis=1)
+            qs1 = tl.sum(h1.to(tl.float32), axis=1)
+            qs2 = tl.sum(h2.to(tl.float32), axis=1)
+            qs3 = tl.sum(h3.to(tl.float32), axis=1)
+            if WIDE_CHANNELS:
+                # channel-wise keys with wide key channels (`channel_table` [H] int32: n per head): key slot c holds a
+                # code of channel π(c) (c, or c − (D − n) in the last n slots), so its scale meets the query gathered
+                # by π, loaded and pre-scaled as h0..h3 (`_channel_plane`)
+                n_wide = tl.load(channel_table + h)
+                g0 = _paired_query_plane(q_base, sq_d, row_ok, 0, n_wide, scale, D)
+                g1 = _paired_query_plane(q_base, sq_d, row_ok, 1, n_wide, scale, D)
+                g2 = _paired_query_plane(q_base, sq_d, row_ok, 2, n_wide, scale, D)
+                g3 = _paired_query_plane(q_base, sq_d, row_ok, 3, n_wide, scale, D)
+            else:
+                g0, g1, g2, g3 = h0, h1, h2, h3
+            if META_WORDS:
+                m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range_words(
+                    h0, h1, h2, h3, g0, g1, g2, g3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                    codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
+                    meta_k, smk_b, smk_h, smk_t, smk_g, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t,
+                    b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, wide_row, D, KEY_CHUNK, BLOCK_N, HAS_MASK, UPCAST,
+                    PTX_UNPACK, PREFETCH, L2_AHEAD, KEY_SPLIT, WIDE)
+            else:
+                m_i, l_i, acc0, acc1, acc2, acc3 = _int2_range(
+                    h0, h1, h2, h3, g0, g1, g2, g3, qs0, qs1, qs2, qs3, qpos, m_i, l_i, acc0, acc1, acc2, acc3,
+                    codes_k, sc_b, sc_h, sc_t, sc_d, codes_v, scv_b, scv_h, scv_t, scv_d,
+                    meta_k, smk_b, smk_h, smk_t, smk_g, smk_2, kinv, koffset, key_split, meta_v, sm_b, sm_h, sm_t, sm_g,
+                    sm_2, b, h, lo, hi, n_sink, mask_ptr, smask_b, smask_n, 1.0, wide_row, D, GROUPS, KEY_CHUNK, BLOCK_N,
+                    HAS_MASK, UPCAST, PTX_UNPACK, KEY_SPLIT, WIDE)
     elif split < recent_split + recent_splits:
         # recent tokens [a, a + recent_chunk) of this split: ring slots ring_lo + a... modulo ring_size, at most two
         # contiguous pieces (one without a ring). Split like the history so that a short history does not leave the
@@ -920,20 +922,21 @@ def segment_attention_triton(
     key_mask, n_sink, n_hist, n_recent, n_extra, queries_per_group, query_start, scale, key_blocks=(),
     key_chunk: int = 0, wide_rows=(), wide_channels=(), block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
-    l2_ahead: int | None = None,
+    l2_ahead: int | None = None, history_kernel=None,
 ):
-    """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`."""
+    """See `oscar_hf.ops.segment_attention_reference` for the contract. Returns `(out [B, H, M, d] q.dtype, lse [B, H, M] f32)`.
+    `history_kernel`: see `_launch`."""
     return _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v,
                    extra_k, extra_v, key_mask, (n_sink, n_hist, n_recent, n_extra, query_start), None,
                    queries_per_group, scale, key_blocks, key_chunk, block_n, num_warps, num_stages, target_programs,
-                   prefetch, l2_ahead, wide_rows=wide_rows, wide_channels=wide_channels)
+                   prefetch, l2_ahead, wide_rows=wide_rows, wide_channels=wide_channels, history_kernel=history_kernel)
 
 
 def decode_attention_triton(
     q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v, key_mask, lengths,
     queries_per_group, scale, key_blocks=(), key_chunk: int = 0, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, target_programs: int | None = None, prefetch: bool | None = None,
-    l2_ahead: int | None = None, value_rotation=None, wide_rows=(), wide_channels=(),
+    l2_ahead: int | None = None, value_rotation=None, wide_rows=(), wide_channels=(), history_kernel=None,
 ):
     """See `oscar_hf.ops.decode_attention_reference` for the contract: the same kernel with the lengths read on the
     device (`lengths` int32 [5]) and a fixed grid over the whole history capacity (splits beyond n_hist exit at
@@ -942,14 +945,18 @@ def decode_attention_triton(
     out, _ = _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, ring_k, ring_v,
                      sink_k[:, :, :0], sink_v[:, :, :0], key_mask, None, lengths, queries_per_group, scale, key_blocks,
                      key_chunk, block_n, num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation,
-                     wide_rows, wide_channels)
+                     wide_rows, wide_channels, history_kernel)
     return out
 
 
 def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, recent_k, recent_v, extra_k,
             extra_v, key_mask, host_lengths, device_lengths, queries_per_group, scale, key_blocks, key_chunk, block_n,
             num_warps, num_stages, target_programs, prefetch, l2_ahead, value_rotation=None, wide_rows=(),
-            wide_channels=()):
+            wide_channels=(), history_kernel=None):
+    """Stage 1 (Triton, every split; or every split but the INT2 history's, which the CUDA history kernel then
+    writes) and the merge. `history_kernel`: a function `(params: cuda_history.HistoryParams) -> None` that runs the
+    CUDA history kernel on these tensors (the tests' CPU emulation), or None: the CUDA driver's launch where
+    `OSCAR_HF_DECODE_KERNEL=cuda` asks for it and it covers the layout (`cuda_history.history_kernel_problem`)."""
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
@@ -1021,6 +1028,18 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
+    if history_kernel is None and cuda_history.requested() and q.device.type == "cuda":
+        problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
+                                                      key_chunk, groups, wide_table, meta_words)
+        if problem is None:
+            history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
+        else:
+            cuda_history.log_fallback(problem)
+    elif history_kernel is not None:
+        problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
+                                                      key_chunk, groups, wide_table, meta_words)
+        if problem is not None:
+            raise ValueError(f"the CUDA history kernel does not cover this launch: {problem}")
     _segment_attention_kernel[(b * h, m_tiles, n_splits)](
         q, *q.stride(),
         partial, *partial.stride(),
@@ -1041,10 +1060,17 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         D=d, GROUPS=groups, KEY_CHUNK=key_chunk, BLOCK_M=block_m, BLOCK_N=block_n, HAS_MASK=has_mask, UPCAST=INTERPRET,
         DEVICE_LENGTHS=device_lengths is not None, PTX_UNPACK=DEFAULT_LAUNCH["ptx_unpack"] and not INTERPRET,
         META_WORDS=meta_words, PREFETCH=prefetch, L2_AHEAD=l2_ahead, KEY_SPLIT=key_split, WIDE=wide_table is not None,
-        WIDE_CHANNELS=channel_table is not None, num_warps=num_warps, num_stages=num_stages,
+        WIDE_CHANNELS=channel_table is not None, SKIP_HISTORY=history_kernel is not None, num_warps=num_warps,
+        num_stages=num_stages,
         # a register cap (ptxas `.maxnreg`) trades spills for more programs per SM; None: the compiler's choice
         **({} if maxnreg is None or INTERPRET else {"maxnreg": maxnreg}),
     )
+    if history_kernel is not None:
+        history_kernel(cuda_history.history_params(
+            q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_table, channel_table,
+            mask if has_mask else None, device_lengths,
+            None if device_lengths is not None else (n_sink, n_hist, n_recent, n_extra, query_start),
+            queries_per_group, hist_splits, hist_chunk, key_chunk, scale * LOG2E))
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, m, device=q.device, dtype=torch.float32)
     rows = b * h * m

@@ -93,9 +93,14 @@ def make_kernel_tables(fmt: LayerFormat, device: torch.device) -> None:
     """Makes the kernels' small per-layout device tables (cached in `kernels.quantize`) for both streams of `fmt`,
     now: a layer calls this when it allocates its buffers, so that the first launch is never the one that makes them.
     Inside a compiled forward's CUDA graphs that first launch would put them in the graphs' memory pool, which
-    cudagraph trees refuse ('tensor(s) in the cudagraph pool not tracked as outputs') and a later replay reuses."""
+    cudagraph trees refuse ('tensor(s) in the cudagraph pool not tracked as outputs') and a later replay reuses.
+    Where `OSCAR_HF_DECODE_KERNEL=cuda` asks for the CUDA history kernel, its module is loaded now too, for the same
+    reason."""
+    from .kernels import cuda_history
     from .kernels.quantize import key_block_table, wide_channel_table, wide_row_table
 
+    if device.type == "cuda" and cuda_history.requested():
+        cuda_history.load(device)
     for stream in (fmt.keys, fmt.values):
         blocks, chunk, wide_rows, wide_channels = _kernel_layout(stream)
         wide_row_table(wide_rows, stream.heads, device)

@@ -1,0 +1,382 @@
+// The INT2 history of OSCAR's decode attention, one warp per (batch, KV head, history split): CUDA C++ with MMA
+// fragments built straight from the stored bytes and the tiles staged through shared memory by cp.async, so that
+// the next tile's bytes are in flight while the current one is computed. It writes the same partial outputs and
+// log-sum-exps as the Triton kernel's history splits (kernels/attention.py), which the Triton merge then combines
+// with the sink and window splits; `kernels/cuda_history.py` launches it and says which layouts it covers.
+//
+// Layout covered: head_dim 128, channel-wise keys (per-head blocks of >= 16 tokens, wide key channels), token-wise
+// values with one (scale, minimum) per token, no wide heads, at most 8 query rows per KV head, sm_80+ instructions
+// (mma.sync m16n8k16, ldmatrix, cp.async). Built to PTX by `python -m oscar_hf.kernels.cuda_history --build`;
+// tests/cuda_emulation.h runs this same file on the CPU, 32 threads per warp in lockstep at each warp-wide op.
+//
+// Fragments (PTX ISA, mma.m16n8k16 with f16 operands; lane = 4·g + j):
+//   scores S[r][n] = Σ_k A[r][k]·B[k][n] with A = the query times the key block's scales (row r = g, query rows
+//   8..15 zero) and B = key codes (n = token g of an 8-token n-tile). The k order is ours to choose: in k-step
+//   (wi, p), k = 2j, 2j+1, 2j+8, 2j+9 is key slot 32p + 8j + 4wi + 0, 1, 2, 3, which are the 2-bit codes of plane p
+//   in bytes 8j + 4wi + 0..3 of the token's row, the 32-bit word lane j reads (two words: wi = 0, 1).
+//   values, transposed: Oᵀ[c][r] = Σ_n V[n][c]·P'[r][n] with P' = P times each token's value scale. S's
+//   accumulator over two n-tiles is P'ᵀ's B fragment as it stands (lane 4g + j holds row g at tokens 2j, 2j + 1,
+//   2j + 8, 2j + 9), and Vᵀ's A fragment comes from `ldmatrix.trans` over the 16-byte halves of the token rows: in
+//   m-tile (odd, p), MMA row g is channel 32p + 2g + odd and row g + 8 channel 32p + 16 + 2g + odd. All 8 output
+//   columns are query rows, so the accumulator holds no padding (lane 4g + j: query rows 2j, 2j + 1).
+//   A 2-bit code c of plane p becomes the fp16 number c·4^p exactly: masked in place into the mantissa of 1024
+//   ((x & mask) | 0x6400, one `lop3` for two codes) minus 1024; 4^-p is folded into the query (keys) or applied to
+//   the accumulator at the end (values).
+
+#include <stdint.h>
+#ifndef OSCAR_EMULATE
+#include <cuda_fp16.h>
+#endif
+
+namespace oscar {
+
+constexpr int D = 128;
+constexpr int ROW_BYTES = D / 4;  // one packed token row
+constexpr int TILE = 64;          // tokens per staged tile
+constexpr int WARPS = 4;          // warps per block, each its own work item
+constexpr int STAGES = 2;         // tiles in flight per warp
+constexpr int MAX_ROWS = 8;       // query rows per KV head (the MMA's rows 8..15 stay zero)
+constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0 in both fp16 halves
+
+struct Params {  // mirrored by kernels/cuda_history.py (HistoryParams): keep the field order
+  const uint16_t* q;  int64_t sq_b, sq_h, sq_m;        // [B, H, M, D] bf16 or fp16, unit channel stride
+  float* o;           int64_t so_b, so_h, so_m, so_s;  // partial outputs [B, H, M, S, D] float32
+  float* lse;         int64_t sl_b, sl_h, sl_m, sl_s;  // partial log-sum-exps [B, H, M, S]
+  const uint8_t* codes_k; int64_t sck_b, sck_h, sck_t;  // [B, H, cap_k, D/4] packed rows
+  const uint8_t* codes_v; int64_t scv_b, scv_h, scv_t;  // [B, H, cap_v, D/4]
+  const uint32_t* meta_k; int64_t smk_b, smk_c, smk_r;  // [B, n_chunks, R, D] (scale, minimum) fp16 pairs as words
+  const uint32_t* meta_v; int64_t smv_b, smv_h, smv_t;  // [B, H, cap_v] (scale, minimum) words
+  const int32_t* key_table;      // [H, 2]: (block, first meta row in a chunk) per KV head
+  const int32_t* channel_table;  // [H]: wide key channels per KV head, or null
+  const uint8_t* mask; int64_t smask_b, smask_n;  // [B, N] over positions, or null
+  const int32_t* lengths;        // (n_sink, n_hist, n_recent, ring_lo, q_start) on the device, or null
+  int32_t batch, heads, rows, tokens_per_row_group, q_start, n_sink, n_hist;
+  int32_t splits, split_tokens, first_split, key_chunk, cap_k, cap_v, q_bf16;
+  float scale;  // softmax scale times log2(e)
+};
+
+struct Stage {
+  uint8_t k[TILE * ROW_BYTES];
+  uint8_t v[TILE * ROW_BYTES];  // 16-byte halves swizzled: half c of token n at c ^ ((n >> 2) & 1)
+  uint32_t vmeta[TILE];
+  uint32_t kmeta[TILE / 16][D];  // the key block's row, for each 16-token subtile that starts a block
+};
+
+struct WarpSmem {
+  Stage stage[STAGES];
+  uint16_t q[MAX_ROWS][D];  // fp16 query rows, times the softmax scale and log2(e)
+  uint16_t g[MAX_ROWS][D];  // the same rows gathered by the key slots' pairing (wide key channels)
+};
+
+#ifndef OSCAR_EMULATE
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  // A's rows 8..15 (registers a1, a3) are zero
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma16816_full(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&d)[4], const void* row) {
+  uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(addr), "l"(src));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(addr), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ uint32_t plane_f16x2(uint32_t x, uint32_t mask) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(MAGIC));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(r) : "r"(MAGIC));
+  return r;
+}
+__device__ __forceinline__ uint32_t pair_bytes(uint32_t w) { return __byte_perm(w, 0, 0x3120); }
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float shfl_idx(float v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
+__device__ __forceinline__ void sync_warp() { __syncwarp(); }
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ float f16_bits_to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+__device__ __forceinline__ uint16_t float_to_f16_bits(float f) { return __half_as_ushort(__float2half_rn(f)); }
+#define OSCAR_SHARED_BASE(name) extern __shared__ __align__(16) uint8_t name[]
+#endif
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  union { uint32_t u; float f; } x;
+  x.u = static_cast<uint32_t>(b) << 16;
+  return x.f;
+}
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// Stage one tile: key and value codes, the values' (scale, minimum) words, and the key block rows that start in it.
+__device__ __forceinline__ void issue_tile(Stage& st, const Params& p, int b, int h, int t0, int hi, int lane,
+                                           int kblock, int koffset) {
+  const uint8_t* ck = p.codes_k + b * p.sck_b + h * p.sck_h;
+  const uint8_t* cv = p.codes_v + b * p.scv_b + h * p.scv_h;
+#pragma unroll
+  for (int i = 0; i < TILE * ROW_BYTES / 16 / 32; ++i) {  // 4 16-byte pieces per lane and stream
+    int piece = lane + 32 * i, n = piece >> 1, half = piece & 1;
+    cp_async16(st.k + n * ROW_BYTES + 16 * half, ck + imin(t0 + n, p.cap_k - 1) * p.sck_t + 16 * half);
+    cp_async16(st.v + n * ROW_BYTES + 16 * (half ^ ((n >> 2) & 1)),
+               cv + imin(t0 + n, p.cap_v - 1) * p.scv_t + 16 * half);
+  }
+  const uint32_t* mv = p.meta_v + b * p.smv_b + h * p.smv_h;
+#pragma unroll
+  for (int i = 0; i < TILE / 32; ++i) {
+    int n = lane + 32 * i;
+    cp_async4(st.vmeta + n, mv + imin(t0 + n, p.cap_v - 1) * p.smv_t);
+  }
+#pragma unroll
+  for (int i = 0; i < TILE / 16; ++i) {
+    int t = t0 + 16 * i;
+    if (t < hi && (i == 0 || t % kblock == 0)) {
+      const uint32_t* row = p.meta_k + b * p.smk_b + (t / p.key_chunk) * p.smk_c +
+                            (koffset + (t % p.key_chunk) / kblock) * p.smk_r;
+      cp_async16(&st.kmeta[i][4 * lane], row + 4 * lane);
+    }
+  }
+}
+
+// The query's A fragments for one key block: slot s of k-step (wi, p) scaled by the slot's scale and 4^-p, and the
+// block's bias Σ_c q_c·minimum_c for this lane's row (reduced over the row's four lanes).
+__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const WarpSmem& sm,
+                                                     const uint32_t* kmeta, int r, int j) {
+  float bias = 0.f;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float plane = 1.0f / static_cast<float>(1 << (2 * p));
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const int slot = 32 * p + 8 * j + 4 * wi;
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        uint32_t w = kmeta[slot + e];
+        float s = f16_bits_to_float(static_cast<uint16_t>(w & 0xFFFFu));
+        float m = f16_bits_to_float(static_cast<uint16_t>(w >> 16));
+        x[e] = f16_bits_to_float(sm.g[r][slot + e]) * s * plane;
+        bias += f16_bits_to_float(sm.q[r][slot + e]) * m;
+      }
+      a[wi][p][0] = pack_f16x2(x[0], x[1]);
+      a[wi][p][1] = pack_f16x2(x[2], x[3]);
+    }
+  }
+  bias += shfl_xor(bias, 1);
+  bias += shfl_xor(bias, 2);
+  return bias;
+}
+
+__device__ __forceinline__ bool key_visible(const Params& p, int b, int t, int hi, int n_sink, int qpos) {
+  if (t >= hi || n_sink + t > qpos) return false;
+  return p.mask == nullptr || p.mask[b * p.smask_b + (n_sink + t) * p.smask_n] != 0;
+}
+
+}  // namespace oscar
+
+using namespace oscar;
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(const Params p) {
+  OSCAR_SHARED_BASE(shared_bytes);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WarpSmem& sm = reinterpret_cast<WarpSmem*>(shared_bytes)[warp];
+  const int item = blockIdx.x * WARPS + warp;
+  if (item >= p.batch * p.heads * p.splits) return;  // whole warps only
+  const int bh = item / p.splits, split = item % p.splits;
+  const int b = bh / p.heads, h = bh % p.heads;
+  int n_sink = p.n_sink, n_hist = p.n_hist, q_start = p.q_start;
+  if (p.lengths != nullptr) {
+    n_sink = p.lengths[0];
+    n_hist = p.lengths[1];
+    q_start = p.lengths[4];
+  }
+  const int r = lane / 4, j = lane % 4;
+  const int T = p.tokens_per_row_group;
+  const int max_qpos = q_start + imin(p.rows, T) - 1;
+  const int qpos = q_start + r % T;
+  const bool row_ok = r < p.rows;
+  const int lo = split * p.split_tokens;
+  const int hi = imin(imin(lo + p.split_tokens, n_hist), max_qpos + 1 - n_sink);
+  const int kblock = p.key_table[2 * h], koffset = p.key_table[2 * h + 1];
+
+  // the query rows, pre-scaled as the Triton kernel does (fp16), and gathered by the slots' pairing
+  const uint16_t* qb = p.q + b * p.sq_b + h * p.sq_h;
+  for (int e = lane; e < MAX_ROWS * D; e += 32) {
+    int row = e / D, c = e % D;
+    float x = 0.f;
+    if (row < p.rows) {
+      uint16_t bits = qb[row * p.sq_m + c];
+      x = p.q_bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+    }
+    sm.q[row][c] = float_to_f16_bits(x * p.scale);
+  }
+  sync_warp();
+  const int n_wide = p.channel_table != nullptr ? p.channel_table[h] : 0;
+  for (int e = lane; e < MAX_ROWS * D; e += 32) {
+    int row = e / D, c = e % D;
+    sm.g[row][c] = sm.q[row][c < D - n_wide ? c : c - (D - n_wide)];
+  }
+  sync_warp();
+
+  float acc[2][4][4];  // [odd][plane]: Oᵀ of channels 32·plane + 2g + odd (c0, c1) and + 16 (c2, c3)
+#pragma unroll
+  for (int odd = 0; odd < 2; ++odd)
+#pragma unroll
+    for (int pl = 0; pl < 4; ++pl)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[odd][pl][e] = 0.f;
+  float m_i = -INFINITY, l_i = 0.f, min_sum = 0.f;
+  uint32_t a[2][4][2];
+  float bias = 0.f;
+
+  const int n_tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < n_tiles) issue_tile(sm.stage[s], p, b, h, lo + s * TILE, hi, lane, kblock, koffset);
+    cp_async_commit();
+  }
+  for (int tt = 0; tt < n_tiles; ++tt) {
+    const int ahead = tt + STAGES - 1;
+    if (ahead < n_tiles) issue_tile(sm.stage[ahead % STAGES], p, b, h, lo + ahead * TILE, hi, lane, kblock, koffset);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    sync_warp();
+    const Stage& st = sm.stage[tt % STAGES];
+    const int t0 = lo + tt * TILE;
+
+    float s[TILE / 8][2];  // scores of row r at tokens 8·nt + 2j, 2j + 1
+#pragma unroll
+    for (int i = 0; i < TILE / 16; ++i) {
+      const int t = t0 + 16 * i;
+      if ((tt == 0 && i == 0) || t % kblock == 0) bias = key_block_fragments(a, sm, st.kmeta[i], r, j);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * i + half;
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + (8 * nt + r) * ROW_BYTES) + 2 * j;
+        const uint32_t words[2] = {row[0], row[1]};
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi) {
+          const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
+#pragma unroll
+          for (int pl = 0; pl < 4; ++pl) {
+            const uint32_t mask = 0x00030003u << (2 * pl);
+            mma16816(c, a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = t0 + 8 * nt + 2 * j + e;
+          s[nt][e] = row_ok && key_visible(p, b, tok, hi, n_sink, qpos) ? c[e] + bias : -INFINITY;
+        }
+      }
+    }
+    // online softmax over the tile (exp2: the scores are in log2 units)
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < TILE / 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][0], s[nt][1]));
+    tile_max = fmaxf(tile_max, shfl_xor(tile_max, 1));
+    tile_max = fmaxf(tile_max, shfl_xor(tile_max, 2));
+    const float m_new = fmaxf(m_i, tile_max);
+    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2_approx(m_i - m_safe);
+    m_i = m_new;
+    l_i *= alpha;
+    min_sum *= alpha;
+    // this lane's accumulator columns are query rows 2j and 2j + 1: their rows' factors
+    const float alpha_lo = shfl_idx(alpha, 8 * j), alpha_hi = shfl_idx(alpha, 8 * j + 4);
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd)
+#pragma unroll
+      for (int pl = 0; pl < 4; ++pl) {
+        acc[odd][pl][0] *= alpha_lo;
+        acc[odd][pl][1] *= alpha_hi;
+        acc[odd][pl][2] *= alpha_lo;
+        acc[odd][pl][3] *= alpha_hi;
+      }
+#pragma unroll
+    for (int i = 0; i < TILE / 16; ++i) {
+      uint32_t pa[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * i + half;
+        float pv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = s[nt][e] == -INFINITY ? 0.f : exp2_approx(s[nt][e] - m_safe);
+          l_i += pe;
+          const uint32_t w = st.vmeta[8 * nt + 2 * j + e];
+          const float scale = f16_bits_to_float(static_cast<uint16_t>(w & 0xFFFFu));
+          const float minimum = f16_bits_to_float(static_cast<uint16_t>(w >> 16));
+          pv[e] = pe == 0.f ? 0.f : pe * scale;  // a masked token's meta may be anything
+          min_sum += pe == 0.f ? 0.f : pe * minimum;
+        }
+        pa[half] = pack_f16x2(pv[0], pv[1]);
+      }
+      uint32_t d[4];
+      const int n = 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1), part = lane >> 4;
+      ldsm_x4_trans(d, st.v + n * ROW_BYTES + 16 * (part ^ ((n >> 2) & 1)));
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        // d: tokens 0-7 | 8-15 of bytes 0-15, then of bytes 16-31; byte 2g + odd of each 16-byte half
+        const uint32_t x0 = d[0] >> (8 * odd), x1 = d[2] >> (8 * odd), x2 = d[1] >> (8 * odd), x3 = d[3] >> (8 * odd);
+#pragma unroll
+        for (int pl = 0; pl < 4; ++pl) {
+          const uint32_t mask = 0x00030003u << (2 * pl);
+          mma16816_full(acc[odd][pl], plane_f16x2(x0, mask), plane_f16x2(x1, mask), plane_f16x2(x2, mask),
+                        plane_f16x2(x3, mask), pa[0], pa[1]);
+        }
+      }
+    }
+    sync_warp();  // every lane is done with this stage before a later tile is copied into it
+  }
+  cp_async_wait<0>();
+
+  l_i += shfl_xor(l_i, 1);
+  l_i += shfl_xor(l_i, 2);
+  min_sum += shfl_xor(min_sum, 1);
+  min_sum += shfl_xor(min_sum, 2);
+  if (j == 0 && row_ok)
+    p.lse[b * p.sl_b + h * p.sl_h + r * p.sl_m + (p.first_split + split) * p.sl_s] =
+        l_i > 0.f ? (m_i + log2f(l_i)) * 0.6931471805599453f : -INFINITY;
+  // the accumulator's columns: query rows 2j and 2j + 1, whose sums live in lanes 8j and 8j + 4
+  const float l_row[2] = {shfl_idx(l_i, 8 * j), shfl_idx(l_i, 8 * j + 4)};
+  const float min_row[2] = {shfl_idx(min_sum, 8 * j), shfl_idx(min_sum, 8 * j + 4)};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int row = 2 * j + e;
+    if (row >= p.rows) continue;
+    const float inv_l = l_row[e] > 0.f ? 1.f / l_row[e] : 0.f;
+    float* o = p.o + b * p.so_b + h * p.so_h + row * p.so_m + (p.first_split + split) * p.so_s;
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd)
+#pragma unroll
+      for (int pl = 0; pl < 4; ++pl) {
+        const float plane = 1.0f / static_cast<float>(1 << (2 * pl));
+        const int channel = 32 * pl + 2 * r + odd;
+        o[channel] = (acc[odd][pl][e] * plane + min_row[e]) * inv_l;
+        o[channel + 16] = (acc[odd][pl][2 + e] * plane + min_row[e]) * inv_l;
+      }
+  }
+}

@@ -1,0 +1,206 @@
+"""The CUDA history kernel (`cuda/int2_history.cu`): an opt-in replacement for the Triton kernel's INT2 history
+splits in decode attention. Set `OSCAR_HF_DECODE_KERNEL=cuda` to use it where it applies; the Triton kernel stays
+the default and runs everything it does not cover.
+
+- It ships as PTX built from `cuda/int2_history.cu` (`python -m oscar_hf.kernels.cuda_history --build`, which needs
+  `nvcc`); the driver compiles the PTX for the GPU when it is first loaded, so a user's machine needs no compiler.
+- It is loaded and launched through the CUDA driver API (`libcuda`), in torch's current context and on torch's
+  current stream, so it is ordered with the Triton launches around it and is captured by CUDA graphs like them.
+- `history_kernel_problem` says why a launch is not covered (one log line per reason, once): head_dim other than
+  128, token-wise keys, value groups, wide heads, more than 8 query rows per KV head, a GPU below sm_80.
+- The stage-1 Triton launch leaves the history splits to it (`SKIP_HISTORY`); it writes their partial outputs and
+  log-sum-exps into the same buffers, and the Triton merge combines every split as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "cuda" / "int2_history.cu"
+PTX = SOURCE.with_suffix(".ptx")
+KERNEL_NAME = b"int2_history_attention"
+ENV = "OSCAR_HF_DECODE_KERNEL"
+WARPS = 4       # warps per block (int2_history.cu: WARPS)
+MAX_ROWS = 8    # query rows per KV head (MAX_ROWS)
+HEAD_DIM = 128  # (D)
+_STAGE_BYTES = 64 * 32 * 2 + 64 * 4 + 4 * 128 * 4  # Stage: key and value codes, value meta, key meta rows
+SHARED_BYTES = WARPS * (2 * _STAGE_BYTES + 2 * MAX_ROWS * HEAD_DIM * 2)  # WarpSmem per warp (STAGES = 2)
+
+logger = logging.getLogger(__name__)
+_LOGGED: set = set()
+
+
+class HistoryParams(ctypes.Structure):
+    """The kernel's one argument (`Params` in int2_history.cu, field for field)."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("sq_b", ctypes.c_int64), ("sq_h", ctypes.c_int64), ("sq_m", ctypes.c_int64),
+        ("o", ctypes.c_void_p), ("so_b", ctypes.c_int64), ("so_h", ctypes.c_int64), ("so_m", ctypes.c_int64),
+        ("so_s", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("sl_b", ctypes.c_int64), ("sl_h", ctypes.c_int64), ("sl_m", ctypes.c_int64),
+        ("sl_s", ctypes.c_int64),
+        ("codes_k", ctypes.c_void_p), ("sck_b", ctypes.c_int64), ("sck_h", ctypes.c_int64), ("sck_t", ctypes.c_int64),
+        ("codes_v", ctypes.c_void_p), ("scv_b", ctypes.c_int64), ("scv_h", ctypes.c_int64), ("scv_t", ctypes.c_int64),
+        ("meta_k", ctypes.c_void_p), ("smk_b", ctypes.c_int64), ("smk_c", ctypes.c_int64), ("smk_r", ctypes.c_int64),
+        ("meta_v", ctypes.c_void_p), ("smv_b", ctypes.c_int64), ("smv_h", ctypes.c_int64), ("smv_t", ctypes.c_int64),
+        ("key_table", ctypes.c_void_p), ("channel_table", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p), ("smask_b", ctypes.c_int64), ("smask_n", ctypes.c_int64),
+        ("lengths", ctypes.c_void_p),
+        ("batch", ctypes.c_int32), ("heads", ctypes.c_int32), ("rows", ctypes.c_int32),
+        ("tokens_per_row_group", ctypes.c_int32), ("q_start", ctypes.c_int32), ("n_sink", ctypes.c_int32),
+        ("n_hist", ctypes.c_int32), ("splits", ctypes.c_int32), ("split_tokens", ctypes.c_int32),
+        ("first_split", ctypes.c_int32), ("key_chunk", ctypes.c_int32), ("cap_k", ctypes.c_int32),
+        ("cap_v", ctypes.c_int32), ("q_bf16", ctypes.c_int32), ("scale", ctypes.c_float),
+    ]
+
+
+def requested() -> bool:
+    """Whether the process asked for the CUDA history kernel (`OSCAR_HF_DECODE_KERNEL=cuda`)."""
+    value = os.environ.get(ENV, "triton").strip().lower()
+    if value not in ("triton", "cuda"):
+        raise ValueError(f"{ENV}={value!r}: expected 'triton' (the default) or 'cuda'")
+    return value == "cuda"
+
+
+def history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_chunk: int, groups: int,
+                           wide_table, meta_words: bool) -> str | None:
+    """Why the CUDA history kernel does not cover this launch, or None when it does."""
+    b, h, m, d = q.shape
+    if d != HEAD_DIM:
+        return f"head_dim {d} (the CUDA history kernel is built for {HEAD_DIM})"
+    if not key_chunk:
+        return "token-wise keys (the CUDA history kernel reads channel-wise key blocks)"
+    if groups != 1:
+        return f"{groups} value groups per token (the CUDA history kernel reads one (scale, minimum) per token)"
+    if wide_table is not None:
+        return "wide heads (the CUDA history kernel reads 2-bit heads only)"
+    if m > MAX_ROWS:
+        return f"{m} query rows per KV head (the CUDA history kernel takes at most {MAX_ROWS})"
+    if not meta_words:
+        return "(scale, minimum) pairs that are not aligned 32-bit words"
+    if q.stride(-1) != 1 or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"queries of dtype {q.dtype} or channel stride {q.stride(-1)}"
+    for name, t in (("key codes", hist_codes_k), ("value codes", hist_codes_v)):
+        if t.stride(-1) != 1 or t.shape[-1] != d // 4 or t.stride(-2) % 16 or t.data_ptr() % 16:
+            return f"{name} whose packed rows are not 16-byte aligned and contiguous"
+    # (scale, minimum) pairs as int32 words: key meta [B, n_chunks, R, d, 1], value meta [B, H, cap, 1, 1]
+    if hist_meta_k.stride(3) != 1 or hist_meta_k.data_ptr() % 16 or any(s % 4 for s in hist_meta_k.stride()[:3]):
+        return "key (scale, minimum) rows that are not 16-byte aligned"
+    if hist_meta_v.stride(2) != 1:
+        return "value (scale, minimum) words that are not contiguous over tokens"
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
+        return f"a GPU of compute capability {torch.cuda.get_device_capability(q.device)} (needs sm_80 or newer)"
+    return None
+
+
+def log_fallback(problem: str) -> None:
+    """One log line per reason, the first time a requested launch falls back to the Triton kernel."""
+    if problem not in _LOGGED:
+        _LOGGED.add(problem)
+        logger.warning("%s=cuda: the Triton kernel reads this history: %s", ENV, problem)
+
+
+def history_params(q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_table,
+                   channel_table, mask, lengths, host_lengths, queries_per_group: int, hist_splits: int,
+                   hist_chunk: int, key_chunk: int, scale_log2: float) -> HistoryParams:
+    """The kernel's argument for one launch (`meta` tensors as int32 word views, as the Triton kernel reads them):
+    every history split of every (batch, KV head), written at split index 1 onwards (0 is the sink's)."""
+    b, h, m, d = q.shape
+    n_sink, n_hist, _, _, q_start = host_lengths if host_lengths is not None else (0, 0, 0, 0, 0)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return HistoryParams(
+        ptr(q), *q.stride()[:3], ptr(partial), *partial.stride()[:4], ptr(partial_lse), *partial_lse.stride(),
+        ptr(hist_codes_k), *hist_codes_k.stride()[:3], ptr(hist_codes_v), *hist_codes_v.stride()[:3],
+        ptr(hist_meta_k), hist_meta_k.stride(0), hist_meta_k.stride(1), hist_meta_k.stride(2),
+        ptr(hist_meta_v), *hist_meta_v.stride()[:3],
+        ptr(key_table), ptr(channel_table),
+        ptr(mask), *(mask.stride() if mask is not None else (0, 0)), ptr(lengths),
+        b, h, m, queries_per_group, q_start, n_sink, n_hist, hist_splits, hist_chunk, 1, key_chunk,
+        hist_codes_k.shape[2], hist_codes_v.shape[2], int(q.dtype == torch.bfloat16), scale_log2)
+
+
+def grid(params: HistoryParams) -> int:
+    """Blocks of `WARPS` warps, one warp per (batch, KV head, split)."""
+    return -(-params.batch * params.heads * params.splits // WARPS)
+
+
+# ------------------------------------------------------------------------------------------- the CUDA driver
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_FUNCTIONS: dict = {}
+_LIBCUDA = None
+
+
+def _driver():
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
+    return _LIBCUDA
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        raise RuntimeError(f"CUDA history kernel: {what} failed with {name.value.decode() if name.value else result}")
+
+
+def load(device: torch.device):
+    """The kernel loaded from the shipped PTX into torch's context on `device` (cached per device): a layer loads it
+    with its buffers (`ops.make_kernel_tables`), before any CUDA-graph capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _FUNCTIONS:
+        if not PTX.is_file():
+            raise RuntimeError(f"{PTX} is missing: build it with `python -m oscar_hf.kernels.cuda_history --build`")
+        with torch.cuda.device(index):
+            torch.cuda.init()
+            torch.empty(1, device=f"cuda:{index}")  # makes torch's primary context current on this thread
+            cu = _driver()
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            image = PTX.read_bytes() + b"\0"
+            _check(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData (PTX JIT)")
+            _check(cu.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAME), "cuModuleGetFunction")
+            _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SHARED_BYTES),
+                   "cuFuncSetAttribute (shared memory)")
+        _FUNCTIONS[index] = (module, function)
+    return _FUNCTIONS[index][1]
+
+
+def launch(params: HistoryParams, device: torch.device) -> None:
+    """Launches the kernel on torch's current stream of `device` (CUDA-graph capture records it like any launch)."""
+    function = load(device)
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+    with torch.cuda.device(device):  # the launch goes to the current context: the device's primary one
+        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS * 32, 1, 1, SHARED_BYTES, stream, args,
+                                        None), "cuLaunchKernel")
+
+
+def source_hash() -> str:
+    """The source's sha256, which `build` writes into the PTX's first line (a test checks that they match)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def build(nvcc: str = "nvcc") -> Path:
+    """Writes `cuda/int2_history.ptx` from the source (PTX for compute_80: the driver compiles it for the GPU at
+    hand). The one command: `python -m oscar_hf.kernels.cuda_history --build`."""
+    out = subprocess.run([nvcc, "-ptx", "-O3", "-arch=compute_80", "-std=c++17", str(SOURCE), "-o", "-"],
+                         check=True, capture_output=True, text=True).stdout
+    PTX.write_text(f"// built from int2_history.cu, sha256 {source_hash()}, by {nvcc_version(nvcc)}\n" + out)
+    return PTX
+
+
+def nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--build"]:
+        sys.exit("usage: python -m oscar_hf.kernels.cuda_history --build")
+    print(build())

@@ -1,0 +1,123 @@
+"""The CUDA history kernel (kernels/cuda/int2_history.cu) run on the CPU by tests/cuda_emulation.h (one thread per
+CUDA thread, warps in lockstep at every MMA, ldmatrix and shuffle, cp.async copies done as late as the hardware may do
+them), through the decode launcher with the Triton kernel in the interpreter for the sink and window, against the
+torch twin; and the launcher's coverage rules. On a GPU, eval/gpu_check.sh runs the same comparison on the device."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from oscar_hf import ops
+from oscar_hf.kernels import cuda_history
+from oscar_hf.kernels.attention import decode_attention_triton
+from test_kernels import _check_decode_kernel, _static_buffers
+
+HERE = Path(__file__).resolve().parent
+ENTRY = """
+#define OSCAR_EMULATE 1
+#include "cuda_emulation.h"
+#include "int2_history.cu"
+extern "C" void launch(unsigned grid, const oscar::Params* p) {
+  emulate_launch(int2_history_attention, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem), *p);
+}
+extern "C" size_t shared_bytes() { return oscar::WARPS * sizeof(oscar::WarpSmem); }
+extern "C" size_t params_bytes() { return sizeof(oscar::Params); }
+"""
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The kernel built for the CPU with g++ (C++20: std::barrier), as a ctypes library."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ on this machine: the CUDA kernel's CPU emulation is built with it")
+    folder = tmp_path_factory.mktemp("cuda_emulation")
+    (folder / "entry.cpp").write_text(ENTRY)
+    library = folder / "int2_history_emulated.so"
+    subprocess.run([compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{HERE}",
+                    f"-I{cuda_history.SOURCE.parent}", str(folder / "entry.cpp"), "-o", str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.launch.argtypes = [ctypes.c_uint, ctypes.POINTER(cuda_history.HistoryParams)]
+    lib.shared_bytes.restype = lib.params_bytes.restype = ctypes.c_size_t
+    return lib
+
+
+def test_the_launcher_mirrors_the_kernels_argument_and_shared_memory(emulated):
+    """Guards the ctypes mirror of `Params` and the shared memory the driver launch asks for: a field added on one
+    side only would shift every field after it."""
+    assert emulated.params_bytes() == ctypes.sizeof(cuda_history.HistoryParams)
+    assert emulated.shared_bytes() == cuda_history.SHARED_BYTES
+
+
+CASES = [
+    dict(b=2, h=2, g=4, t=1, capacity=256, n_hist=256, blocks=(64, 64)),                     # a full history
+    dict(b=2, h=2, g=4, t=1, capacity=384, n_hist=200, blocks=(128, 64)),                    # ends inside a tile
+    dict(b=1, h=3, g=4, t=1, capacity=256, n_hist=168, blocks=(64, 32, 128), wide_channels=(5, 0, 17)),
+    dict(b=2, h=2, g=4, t=2, capacity=256, n_hist=136, blocks=(16, 128)),                    # 8 rows, 2 positions
+    dict(b=2, h=2, g=4, t=1, capacity=256, n_hist=0, blocks=(64, 64)),                       # no history yet
+    dict(b=1, h=2, g=7, t=1, capacity=512, n_hist=512, blocks=(32, 64), wide_channels=(64, 3)),  # GQA 7
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_emulated_kernel_matches_the_twin(emulated, case):
+    """Decode attention with the INT2 history read by the CUDA kernel (emulated) and the sink and window by the
+    Triton kernel (interpreter), merged by the Triton merge: within twice the bf16 emulation's error of the fp32
+    twin, as the Triton kernel is held (`_check_decode_kernel`); wide key channels read as stored (without them,
+    far off). The masks hide a left-padded row's first 9 positions, history included."""
+    args = _static_buffers(d=128, ring=24, n_recent=20, ring_lo=10, chunk=128, seed=case["capacity"] + case["n_hist"],
+                           **case)
+    q, buffers, fmt, mask, lengths, queries_per_group, scale = args
+    blocks, chunk, wide_rows, wide_channels = ops._kernel_layout(fmt.keys)
+    launches = []
+
+    def history(params):
+        launches.append(params.splits)
+        emulated.launch(cuda_history.grid(params), ctypes.byref(params))
+
+    b = buffers
+    out = decode_attention_triton(q, b.sink_keys, b.sink_values, b.key_codes, b.key_meta, b.value_codes,
+                                  b.value_meta, b.ring_keys, b.ring_values, mask, lengths, queries_per_group, scale,
+                                  blocks, chunk, wide_rows=wide_rows, wide_channels=wide_channels,
+                                  history_kernel=history)
+    assert len(launches) == 1 and launches[0] >= 1
+    _check_decode_kernel(args, out)
+
+
+def test_layouts_it_does_not_cover_are_named():
+    """The reasons `history_kernel_problem` gives, one per layout the kernel leaves to Triton."""
+    args = _static_buffers(b=1, h=2, g=4, t=1, d=128, capacity=256, n_hist=128, ring=24, n_recent=20, ring_lo=10,
+                           blocks=(64, 64), chunk=128, seed=1)
+    q, buffers, fmt = args[:3]
+    b = buffers
+    words = lambda t: t.view(torch.int32)  # noqa: E731  (as the launcher passes them)
+    base = (b.key_codes, words(b.key_meta), b.value_codes, words(b.value_meta))
+    assert cuda_history.history_kernel_problem(q, *base, 128, 1, None, True) is None
+    assert "head_dim 64" in cuda_history.history_kernel_problem(q[..., :64], *base, 128, 1, None, True)
+    assert "token-wise" in cuda_history.history_kernel_problem(q, *base, 0, 1, None, True)
+    assert "value groups" in cuda_history.history_kernel_problem(q, *base, 128, 2, None, True)
+    assert "wide heads" in cuda_history.history_kernel_problem(q, *base, 128, 1, torch.zeros(2), True)
+    assert "12 query rows" in cuda_history.history_kernel_problem(q.repeat(1, 1, 3, 1), *base, 128, 1, None, True)
+    assert "aligned 32-bit words" in cuda_history.history_kernel_problem(q, *base, 128, 1, None, False)
+
+
+def test_the_opt_in_is_checked(monkeypatch):
+    monkeypatch.delenv(cuda_history.ENV, raising=False)
+    assert not cuda_history.requested()
+    monkeypatch.setenv(cuda_history.ENV, "cuda")
+    assert cuda_history.requested()
+    monkeypatch.setenv(cuda_history.ENV, "cuda-graphs")
+    with pytest.raises(ValueError, match="expected 'triton'"):
+        cuda_history.requested()
+
+
+def test_the_shipped_ptx_is_built_from_the_source():
+    """The PTX in the package is what `--build` makes of int2_history.cu (the driver compiles it on the user's GPU):
+    its entry point and its build's source hash."""
+    text = cuda_history.PTX.read_text()
+    assert ".entry int2_history_attention" in text
+    assert cuda_history.source_hash() in text
