@@ -681,8 +681,9 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
 def section_history(device, quick, copy_bw, points=None):
     """The CUDA history kernel (`OSCAR_HF_DECODE_KERNEL=cuda`, kernels/cuda_history.py) against the Triton kernel:
     first each against the torch twin (host lengths, device lengths, a CUDA-graph replay, a mask with holes), then
-    decode attention per layer (stage 1 + merge, graph-replayed) with both kernels interleaved, Qwen3-8B geometry,
-    layouts the CUDA kernel covers ("default": uniform blocks of 64; "mixed": per-head blocks 32/64/128)."""
+    decode attention per layer (stage 1 + merge, graph-replayed) with both kernels interleaved, Qwen3-8B geometry:
+    "channels" (the default storage format: per-head blocks, wide heads, wide key channels), "wide" (without wide
+    key channels), "default" (uniform blocks of 64), "mixed" (per-head blocks only)."""
     from oscar_hf.kernels import cuda_history
     from oscar_hf.kernels.attention import decode_attention_triton, segment_attention_triton
 
@@ -698,7 +699,8 @@ def section_history(device, quick, copy_bw, points=None):
                 os.environ[cuda_history.ENV] = saved
 
     rows = []
-    checks = [(1, 4096, "default", 1), (3, 33000, "mixed", 1), (2, 9000, "default", 2), (1, 100_000, "mixed", 1)]
+    checks = [(1, 4096, "channels", 1), (3, 33000, "mixed", 1), (2, 9000, "channels", 2), (1, 100_000, "wide", 1),
+              (1, 20000, "default", 1)]
     for b, length, layout, t in (checks[:2] if quick else checks):
         args = list(random_segments(b, 8, 4, length, 128, t=t, device=device, layout=layout))
         n = length + t
@@ -736,8 +738,8 @@ def section_history(device, quick, copy_bw, points=None):
         rows.append(row)
         del args, mask, ref, low, tri, cud, dev, replayed
         free()
-    plan = [(1, 32768, "default"), (1, 100_000, "default"), (8, 32768, "default"), (1, 4096, "default"),
-            (1, 100_000, "mixed"), (8, 32768, "mixed"), (32, 32768, "default")]
+    plan = [(1, 100_000, "channels"), (8, 32768, "channels"), (1, 32768, "channels"), (1, 4096, "channels"),
+            (1, 100_000, "default"), (8, 32768, "default"), (32, 32768, "channels"), (1, 100_000, "mixed")]
     if points:
         plan = [(int(p.split(":")[0].split("x")[1]), int(p.split(":")[0].split("x")[0]), p.split(":")[1])
                 for p in points.split(",")]

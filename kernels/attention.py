@@ -1068,7 +1068,7 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     if history_kernel is not None:
         history_kernel(cuda_history.history_params(
             q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_table, channel_table,
-            mask if has_mask else None, device_lengths,
+            wide_table, mask if has_mask else None, device_lengths,
             None if device_lengths is not None else (n_sink, n_hist, n_recent, n_extra, query_start),
             queries_per_group, hist_splits, hist_chunk, key_chunk, scale * LOG2E))
     out = torch.empty(b, h, m, d, device=q.device, dtype=q.dtype)

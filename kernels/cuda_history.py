@@ -7,7 +7,7 @@ the default and runs everything it does not cover.
 - It is loaded and launched through the CUDA driver API (`libcuda`), in torch's current context and on torch's
   current stream, so it is ordered with the Triton launches around it and is captured by CUDA graphs like them.
 - `history_kernel_problem` says why a launch is not covered (one log line per reason, once): head_dim other than
-  128, token-wise keys, value groups, wide heads, more than 8 query rows per KV head, a GPU below sm_80.
+  128, token-wise keys, value groups, more than 8 query rows per KV head, a GPU below sm_80.
 - The stage-1 Triton launch leaves the history splits to it (`SKIP_HISTORY`); it writes their partial outputs and
   log-sum-exps into the same buffers, and the Triton merge combines every split as before.
 """
@@ -26,13 +26,16 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "cuda" / "int2_history.cu"
 PTX = SOURCE.with_suffix(".ptx")
-KERNEL_NAME = b"int2_history_attention"
+# the entry points: 2-bit heads only, and layers with wide heads (which also stage the low planes)
+KERNEL_NAMES = {False: b"int2_history_attention", True: b"int2_history_attention_wide"}
 ENV = "OSCAR_HF_DECODE_KERNEL"
 WARPS = 4       # warps per block (int2_history.cu: WARPS)
 MAX_ROWS = 8    # query rows per KV head (MAX_ROWS)
 HEAD_DIM = 128  # (D)
 _STAGE_BYTES = 64 * 32 * 2 + 64 * 4 + 4 * 128 * 4  # Stage: key and value codes, value meta, key meta rows
-SHARED_BYTES = WARPS * (2 * _STAGE_BYTES + 2 * MAX_ROWS * HEAD_DIM * 2)  # WarpSmem per warp (STAGES = 2)
+_LOW_BYTES = {False: 2 * 16, True: 2 * 64 * 32}  # Stage: a wide head's low planes (16-byte stubs without)
+# WarpSmem per warp (STAGES = 2), per entry point
+SHARED_BYTES = {wide: WARPS * (2 * (_STAGE_BYTES + low) + 2 * MAX_ROWS * HEAD_DIM * 2) for wide, low in _LOW_BYTES.items()}
 
 logger = logging.getLogger(__name__)
 _LOGGED: set = set()
@@ -50,7 +53,7 @@ class HistoryParams(ctypes.Structure):
         ("codes_v", ctypes.c_void_p), ("scv_b", ctypes.c_int64), ("scv_h", ctypes.c_int64), ("scv_t", ctypes.c_int64),
         ("meta_k", ctypes.c_void_p), ("smk_b", ctypes.c_int64), ("smk_c", ctypes.c_int64), ("smk_r", ctypes.c_int64),
         ("meta_v", ctypes.c_void_p), ("smv_b", ctypes.c_int64), ("smv_h", ctypes.c_int64), ("smv_t", ctypes.c_int64),
-        ("key_table", ctypes.c_void_p), ("channel_table", ctypes.c_void_p),
+        ("key_table", ctypes.c_void_p), ("channel_table", ctypes.c_void_p), ("wide_table", ctypes.c_void_p),
         ("mask", ctypes.c_void_p), ("smask_b", ctypes.c_int64), ("smask_n", ctypes.c_int64),
         ("lengths", ctypes.c_void_p),
         ("batch", ctypes.c_int32), ("heads", ctypes.c_int32), ("rows", ctypes.c_int32),
@@ -79,8 +82,6 @@ def history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta
         return "token-wise keys (the CUDA history kernel reads channel-wise key blocks)"
     if groups != 1:
         return f"{groups} value groups per token (the CUDA history kernel reads one (scale, minimum) per token)"
-    if wide_table is not None:
-        return "wide heads (the CUDA history kernel reads 2-bit heads only)"
     if m > MAX_ROWS:
         return f"{m} query rows per KV head (the CUDA history kernel takes at most {MAX_ROWS})"
     if not meta_words:
@@ -108,7 +109,7 @@ def log_fallback(problem: str) -> None:
 
 
 def history_params(q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_table,
-                   channel_table, mask, lengths, host_lengths, queries_per_group: int, hist_splits: int,
+                   channel_table, wide_table, mask, lengths, host_lengths, queries_per_group: int, hist_splits: int,
                    hist_chunk: int, key_chunk: int, scale_log2: float) -> HistoryParams:
     """The kernel's argument for one launch (`meta` tensors as int32 word views, as the Triton kernel reads them):
     every history split of every (batch, KV head), written at split index 1 onwards (0 is the sink's)."""
@@ -120,7 +121,7 @@ def history_params(q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_code
         ptr(hist_codes_k), *hist_codes_k.stride()[:3], ptr(hist_codes_v), *hist_codes_v.stride()[:3],
         ptr(hist_meta_k), hist_meta_k.stride(0), hist_meta_k.stride(1), hist_meta_k.stride(2),
         ptr(hist_meta_v), *hist_meta_v.stride()[:3],
-        ptr(key_table), ptr(channel_table),
+        ptr(key_table), ptr(channel_table), ptr(wide_table),
         ptr(mask), *(mask.stride() if mask is not None else (0, 0)), ptr(lengths),
         b, h, m, queries_per_group, q_start, n_sink, n_hist, hist_splits, hist_chunk, 1, key_chunk,
         hist_codes_k.shape[2], hist_codes_v.shape[2], int(q.dtype == torch.bfloat16), scale_log2)
@@ -151,11 +152,12 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"CUDA history kernel: {what} failed with {name.value.decode() if name.value else result}")
 
 
-def load(device: torch.device):
-    """The kernel loaded from the shipped PTX into torch's context on `device` (cached per device): a layer loads it
-    with its buffers (`ops.make_kernel_tables`), before any CUDA-graph capture."""
+def load(device: torch.device, wide: bool):
+    """The kernel (`wide`: the entry point for layers with wide heads) loaded from the shipped PTX into torch's
+    context on `device`, cached per device: a layer loads it with its buffers (`ops.make_kernel_tables`), before any
+    CUDA-graph capture."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FUNCTIONS:
+    if (index, wide) not in _FUNCTIONS:
         if not PTX.is_file():
             raise RuntimeError(f"{PTX} is missing: build it with `python -m oscar_hf.kernels.cuda_history --build`")
         with torch.cuda.device(index):
@@ -165,21 +167,22 @@ def load(device: torch.device):
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
             image = PTX.read_bytes() + b"\0"
             _check(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData (PTX JIT)")
-            _check(cu.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAME), "cuModuleGetFunction")
-            _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SHARED_BYTES),
-                   "cuFuncSetAttribute (shared memory)")
-        _FUNCTIONS[index] = (module, function)
-    return _FUNCTIONS[index][1]
+            _check(cu.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAMES[wide]), "cuModuleGetFunction")
+            _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         SHARED_BYTES[wide]), "cuFuncSetAttribute (shared memory)")
+        _FUNCTIONS[index, wide] = (module, function)
+    return _FUNCTIONS[index, wide][1]
 
 
 def launch(params: HistoryParams, device: torch.device) -> None:
     """Launches the kernel on torch's current stream of `device` (CUDA-graph capture records it like any launch)."""
-    function = load(device)
+    wide = params.wide_table is not None
+    function = load(device, wide)
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     with torch.cuda.device(device):  # the launch goes to the current context: the device's primary one
-        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS * 32, 1, 1, SHARED_BYTES, stream, args,
-                                        None), "cuLaunchKernel")
+        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS * 32, 1, 1, SHARED_BYTES[wide], stream,
+                                        args, None), "cuLaunchKernel")
 
 
 def source_hash() -> str:

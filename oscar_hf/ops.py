@@ -100,7 +100,7 @@ def make_kernel_tables(fmt: LayerFormat, device: torch.device) -> None:
     from .kernels.quantize import key_block_table, wide_channel_table, wide_row_table
 
     if device.type == "cuda" and cuda_history.requested():
-        cuda_history.load(device)
+        cuda_history.load(device, wide=bool(_kernel_layout(fmt.keys)[2]))
     for stream in (fmt.keys, fmt.values):
         blocks, chunk, wide_rows, wide_channels = _kernel_layout(stream)
         wide_row_table(wide_rows, stream.heads, device)

@@ -52,6 +52,11 @@ inline uint32_t plane_f16x2(uint32_t x, uint32_t mask) {  // ((x & mask) | 0x640
   return pack_f16x2(emu::h2f(r & 0xFFFF) - 1024.f, emu::h2f(r >> 16) - 1024.f);
 }
 
+inline uint32_t wide_plane_f16x2(uint32_t high, uint32_t low, uint32_t mask) {  // (h + l/4)·4^p per half
+  const uint32_t h = plane_f16x2(high, mask), l = plane_f16x2(low, mask);
+  return pack_f16x2(emu::h2f(h & 0xFFFF) + 0.25f * emu::h2f(l & 0xFFFF), emu::h2f(h >> 16) + 0.25f * emu::h2f(l >> 16));
+}
+
 inline void sync_warp() { emu::warp->sync.arrive_and_wait(); }
 
 inline float shfl_xor(float v, int m) {

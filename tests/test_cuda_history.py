@@ -22,9 +22,15 @@ ENTRY = """
 #include "cuda_emulation.h"
 #include "int2_history.cu"
 extern "C" void launch(unsigned grid, const oscar::Params* p) {
-  emulate_launch(int2_history_attention, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem), *p);
+  if (p->wide_table == nullptr)
+    emulate_launch(int2_history_attention, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem<false>), *p);
+  else
+    emulate_launch(int2_history_attention_wide, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem<true>),
+                   *p);
 }
-extern "C" size_t shared_bytes() { return oscar::WARPS * sizeof(oscar::WarpSmem); }
+extern "C" size_t shared_bytes(int wide) {
+  return oscar::WARPS * (wide ? sizeof(oscar::WarpSmem<true>) : sizeof(oscar::WarpSmem<false>));
+}
 extern "C" size_t params_bytes() { return sizeof(oscar::Params); }
 """
 
@@ -43,6 +49,7 @@ def emulated(tmp_path_factory):
     lib = ctypes.CDLL(str(library))
     lib.launch.argtypes = [ctypes.c_uint, ctypes.POINTER(cuda_history.HistoryParams)]
     lib.shared_bytes.restype = lib.params_bytes.restype = ctypes.c_size_t
+    lib.shared_bytes.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -50,7 +57,7 @@ def test_the_launcher_mirrors_the_kernels_argument_and_shared_memory(emulated):
     """Guards the ctypes mirror of `Params` and the shared memory the driver launch asks for: a field added on one
     side only would shift every field after it."""
     assert emulated.params_bytes() == ctypes.sizeof(cuda_history.HistoryParams)
-    assert emulated.shared_bytes() == cuda_history.SHARED_BYTES
+    assert [emulated.shared_bytes(wide) for wide in (0, 1)] == [cuda_history.SHARED_BYTES[w] for w in (False, True)]
 
 
 CASES = [
@@ -60,6 +67,9 @@ CASES = [
     dict(b=2, h=2, g=4, t=2, capacity=256, n_hist=136, blocks=(16, 128)),                    # 8 rows, 2 positions
     dict(b=2, h=2, g=4, t=1, capacity=256, n_hist=0, blocks=(64, 64)),                       # no history yet
     dict(b=1, h=2, g=7, t=1, capacity=512, n_hist=512, blocks=(32, 64), wide_channels=(64, 3)),  # GQA 7
+    dict(b=2, h=3, g=4, t=1, capacity=256, n_hist=200, blocks=(64, 32, 128), head_bits=(2, 4, 4)),  # wide heads
+    dict(b=1, h=3, g=4, t=2, capacity=384, n_hist=328, blocks=(32, 64, 128), head_bits=(2, 4, 2),
+         wide_channels=(64, 0, 3)),                                                           # ... with wide channels
 ]
 
 
@@ -67,8 +77,8 @@ CASES = [
 def test_the_emulated_kernel_matches_the_twin(emulated, case):
     """Decode attention with the INT2 history read by the CUDA kernel (emulated) and the sink and window by the
     Triton kernel (interpreter), merged by the Triton merge: within twice the bf16 emulation's error of the fp32
-    twin, as the Triton kernel is held (`_check_decode_kernel`); wide key channels read as stored (without them,
-    far off). The masks hide a left-padded row's first 9 positions, history included."""
+    twin, as the Triton kernel is held (`_check_decode_kernel`). The masks hide a left-padded row's first 9 positions,
+    history included."""
     args = _static_buffers(d=128, ring=24, n_recent=20, ring_lo=10, chunk=128, seed=case["capacity"] + case["n_hist"],
                            **case)
     q, buffers, fmt, mask, lengths, queries_per_group, scale = args
@@ -77,6 +87,7 @@ def test_the_emulated_kernel_matches_the_twin(emulated, case):
 
     def history(params):
         launches.append(params.splits)
+        assert (params.wide_table is not None) == bool(case.get("head_bits"))
         emulated.launch(cuda_history.grid(params), ctypes.byref(params))
 
     b = buffers
@@ -100,7 +111,6 @@ def test_layouts_it_does_not_cover_are_named():
     assert "head_dim 64" in cuda_history.history_kernel_problem(q[..., :64], *base, 128, 1, None, True)
     assert "token-wise" in cuda_history.history_kernel_problem(q, *base, 0, 1, None, True)
     assert "value groups" in cuda_history.history_kernel_problem(q, *base, 128, 2, None, True)
-    assert "wide heads" in cuda_history.history_kernel_problem(q, *base, 128, 1, torch.zeros(2), True)
     assert "12 query rows" in cuda_history.history_kernel_problem(q.repeat(1, 1, 3, 1), *base, 128, 1, None, True)
     assert "aligned 32-bit words" in cuda_history.history_kernel_problem(q, *base, 128, 1, None, False)
 

@@ -5,7 +5,9 @@
 // with the sink and window splits; `kernels/cuda_history.py` launches it and says which layouts it covers.
 //
 // Layout covered: head_dim 128, channel-wise keys (per-head blocks of >= 16 tokens, wide key channels), token-wise
-// values with one (scale, minimum) per token, no wide heads, at most 8 query rows per KV head, sm_80+ instructions
+// values with one (scale, minimum) per token, wide heads (4-bit codes kept as a high plane in the head's row and a low
+// plane in a row after the layer's heads, under a scale stored as 4·s: `int2_history_attention_wide` stages both and
+// reads each code as (h + l/4)·4^p, exact in fp16), at most 8 query rows per KV head, sm_80+ instructions
 // (mma.sync m16n8k16, ldmatrix, cp.async). Built to PTX by `python -m oscar_hf.kernels.cuda_history --build`;
 // tests/cuda_emulation.h runs this same file on the CPU, 32 threads per warp in lockstep at each warp-wide op.
 //
@@ -48,6 +50,7 @@ struct Params {  // mirrored by kernels/cuda_history.py (HistoryParams): keep th
   const uint32_t* meta_v; int64_t smv_b, smv_h, smv_t;  // [B, H, cap_v] (scale, minimum) words
   const int32_t* key_table;      // [H, 2]: (block, first meta row in a chunk) per KV head
   const int32_t* channel_table;  // [H]: wide key channels per KV head, or null
+  const int32_t* wide_table;     // [H]: a wide head's low-plane codes row, -1 for a 2-bit head; null: none wide
   const uint8_t* mask; int64_t smask_b, smask_n;  // [B, N] over positions, or null
   const int32_t* lengths;        // (n_sink, n_hist, n_recent, ring_lo, q_start) on the device, or null
   int32_t batch, heads, rows, tokens_per_row_group, q_start, n_sink, n_hist;
@@ -55,15 +58,17 @@ struct Params {  // mirrored by kernels/cuda_history.py (HistoryParams): keep th
   float scale;  // softmax scale times log2(e)
 };
 
-struct Stage {
+template <bool WIDE> struct Stage {
   uint8_t k[TILE * ROW_BYTES];
   uint8_t v[TILE * ROW_BYTES];  // 16-byte halves swizzled: half c of token n at c ^ ((n >> 2) & 1)
   uint32_t vmeta[TILE];
   uint32_t kmeta[TILE / 16][D];  // the key block's row, for each 16-token subtile that starts a block
+  uint8_t k_low[WIDE ? TILE * ROW_BYTES : 16];  // a wide head's low planes, laid out as k and v
+  uint8_t v_low[WIDE ? TILE * ROW_BYTES : 16];
 };
 
-struct WarpSmem {
-  Stage stage[STAGES];
+template <bool WIDE> struct WarpSmem {
+  Stage<WIDE> stage[STAGES];
   uint16_t q[MAX_ROWS][D];  // fp16 query rows, times the softmax scale and log2(e)
   uint16_t g[MAX_ROWS][D];  // the same rows gathered by the key slots' pairing (wide key channels)
 };
@@ -104,6 +109,16 @@ __device__ __forceinline__ uint32_t plane_f16x2(uint32_t x, uint32_t mask) {
   asm("sub.f16x2 %0, %0, %1;" : "+r"(r) : "r"(MAGIC));
   return r;
 }
+// A wide head's code pair: high plane h and low plane l of plane p, as (h + l/4)·4^p = (1024 + l·4^p)/4 + (1024 +
+// h·4^p) - 1280, one rounding, exact.
+__device__ __forceinline__ uint32_t wide_plane_f16x2(uint32_t high, uint32_t low, uint32_t mask) {
+  uint32_t h, l, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(h) : "r"(high), "r"(mask), "r"(MAGIC));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(l) : "r"(low), "r"(mask), "r"(MAGIC));
+  asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x65006500u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(l), "r"(0x34003400u), "r"(h));
+  return r;
+}
 __device__ __forceinline__ uint32_t pair_bytes(uint32_t w) { return __byte_perm(w, 0, 0x3120); }
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
@@ -131,17 +146,23 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
 // Stage one tile: key and value codes, the values' (scale, minimum) words, and the key block rows that start in it.
-__device__ __forceinline__ void issue_tile(Stage& st, const Params& p, int b, int h, int t0, int hi, int lane,
-                                           int kblock, int koffset) {
-  const uint8_t* ck = p.codes_k + b * p.sck_b + h * p.sck_h;
-  const uint8_t* cv = p.codes_v + b * p.scv_b + h * p.scv_h;
+template <bool WIDE>
+__device__ __forceinline__ void issue_codes(uint8_t* k, uint8_t* v, const Params& p, int b, int row, int t0, int lane) {
+  const uint8_t* ck = p.codes_k + b * p.sck_b + row * p.sck_h;
+  const uint8_t* cv = p.codes_v + b * p.scv_b + row * p.scv_h;
 #pragma unroll
   for (int i = 0; i < TILE * ROW_BYTES / 16 / 32; ++i) {  // 4 16-byte pieces per lane and stream
     int piece = lane + 32 * i, n = piece >> 1, half = piece & 1;
-    cp_async16(st.k + n * ROW_BYTES + 16 * half, ck + imin(t0 + n, p.cap_k - 1) * p.sck_t + 16 * half);
-    cp_async16(st.v + n * ROW_BYTES + 16 * (half ^ ((n >> 2) & 1)),
-               cv + imin(t0 + n, p.cap_v - 1) * p.scv_t + 16 * half);
+    cp_async16(k + n * ROW_BYTES + 16 * half, ck + imin(t0 + n, p.cap_k - 1) * p.sck_t + 16 * half);
+    cp_async16(v + n * ROW_BYTES + 16 * (half ^ ((n >> 2) & 1)), cv + imin(t0 + n, p.cap_v - 1) * p.scv_t + 16 * half);
   }
+}
+
+template <bool WIDE>
+__device__ __forceinline__ void issue_tile(Stage<WIDE>& st, const Params& p, int b, int h, int t0, int hi, int lane,
+                                           int kblock, int koffset, int wide_row) {
+  issue_codes<WIDE>(st.k, st.v, p, b, h, t0, lane);
+  if (WIDE && wide_row >= 0) issue_codes<WIDE>(st.k_low, st.v_low, p, b, wide_row, t0, lane);
   const uint32_t* mv = p.meta_v + b * p.smv_b + h * p.smv_h;
 #pragma unroll
   for (int i = 0; i < TILE / 32; ++i) {
@@ -161,7 +182,8 @@ __device__ __forceinline__ void issue_tile(Stage& st, const Params& p, int b, in
 
 // The query's A fragments for one key block: slot s of k-step (wi, p) scaled by the slot's scale and 4^-p, and the
 // block's bias Σ_c q_c·minimum_c for this lane's row (reduced over the row's four lanes).
-__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const WarpSmem& sm,
+template <bool WIDE>
+__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const WarpSmem<WIDE>& sm,
                                                      const uint32_t* kmeta, int r, int j) {
   float bias = 0.f;
 #pragma unroll
@@ -193,14 +215,9 @@ __device__ __forceinline__ bool key_visible(const Params& p, int b, int t, int h
   return p.mask == nullptr || p.mask[b * p.smask_b + (n_sink + t) * p.smask_n] != 0;
 }
 
-}  // namespace oscar
-
-using namespace oscar;
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(const Params p) {
-  OSCAR_SHARED_BASE(shared_bytes);
+template <bool WIDE> __device__ __forceinline__ void history_attention(const Params& p, uint8_t* shared_bytes) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  WarpSmem& sm = reinterpret_cast<WarpSmem*>(shared_bytes)[warp];
+  WarpSmem<WIDE>& sm = reinterpret_cast<WarpSmem<WIDE>*>(shared_bytes)[warp];
   const int item = blockIdx.x * WARPS + warp;
   if (item >= p.batch * p.heads * p.splits) return;  // whole warps only
   const int bh = item / p.splits, split = item % p.splits;
@@ -219,6 +236,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(
   const int lo = split * p.split_tokens;
   const int hi = imin(imin(lo + p.split_tokens, n_hist), max_qpos + 1 - n_sink);
   const int kblock = p.key_table[2 * h], koffset = p.key_table[2 * h + 1];
+  const int wide_row = WIDE ? p.wide_table[h] : -1;
+  const bool wide = WIDE && wide_row >= 0;  // uniform over the warp
 
   // the query rows, pre-scaled as the Triton kernel does (fp16), and gathered by the slots' pairing
   const uint16_t* qb = p.q + b * p.sq_b + h * p.sq_h;
@@ -253,16 +272,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(
   const int n_tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) issue_tile(sm.stage[s], p, b, h, lo + s * TILE, hi, lane, kblock, koffset);
+    if (s < n_tiles) issue_tile<WIDE>(sm.stage[s], p, b, h, lo + s * TILE, hi, lane, kblock, koffset, wide_row);
     cp_async_commit();
   }
   for (int tt = 0; tt < n_tiles; ++tt) {
     const int ahead = tt + STAGES - 1;
-    if (ahead < n_tiles) issue_tile(sm.stage[ahead % STAGES], p, b, h, lo + ahead * TILE, hi, lane, kblock, koffset);
+    if (ahead < n_tiles)
+      issue_tile<WIDE>(sm.stage[ahead % STAGES], p, b, h, lo + ahead * TILE, hi, lane, kblock, koffset, wide_row);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     sync_warp();
-    const Stage& st = sm.stage[tt % STAGES];
+    const Stage<WIDE>& st = sm.stage[tt % STAGES];
     const int t0 = lo + tt * TILE;
 
     float s[TILE / 8][2];  // scores of row r at tokens 8·nt + 2j, 2j + 1
@@ -273,16 +293,33 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int nt = 2 * i + half;
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + (8 * nt + r) * ROW_BYTES) + 2 * j;
+        const int offset = (8 * nt + r) * ROW_BYTES + 8 * j;
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + offset);
         const uint32_t words[2] = {row[0], row[1]};
         float c[4] = {0.f, 0.f, 0.f, 0.f};
+        if (wide) {
+          const uint32_t* low = reinterpret_cast<const uint32_t*>(st.k_low + offset);
+          const uint32_t lows[2] = {low[0], low[1]};
 #pragma unroll
-        for (int wi = 0; wi < 2; ++wi) {
-          const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
+            const uint32_t llo2 = pair_bytes(lows[wi]), lhi2 = llo2 >> 8;
 #pragma unroll
-          for (int pl = 0; pl < 4; ++pl) {
-            const uint32_t mask = 0x00030003u << (2 * pl);
-            mma16816(c, a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
+            for (int pl = 0; pl < 4; ++pl) {
+              const uint32_t mask = 0x00030003u << (2 * pl);
+              mma16816(c, a[wi][pl][0], a[wi][pl][1], wide_plane_f16x2(lo2, llo2, mask),
+                       wide_plane_f16x2(hi2, lhi2, mask));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
+#pragma unroll
+            for (int pl = 0; pl < 4; ++pl) {
+              const uint32_t mask = 0x00030003u << (2 * pl);
+              mma16816(c, a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
+            }
           }
         }
 #pragma unroll
@@ -336,16 +373,34 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(
       }
       uint32_t d[4];
       const int n = 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1), part = lane >> 4;
-      ldsm_x4_trans(d, st.v + n * ROW_BYTES + 16 * (part ^ ((n >> 2) & 1)));
+      const int offset = n * ROW_BYTES + 16 * (part ^ ((n >> 2) & 1));
+      ldsm_x4_trans(d, st.v + offset);
+      if (wide) {
+        uint32_t dl[4];
+        ldsm_x4_trans(dl, st.v_low + offset);
 #pragma unroll
-      for (int odd = 0; odd < 2; ++odd) {
-        // d: tokens 0-7 | 8-15 of bytes 0-15, then of bytes 16-31; byte 2g + odd of each 16-byte half
-        const uint32_t x0 = d[0] >> (8 * odd), x1 = d[2] >> (8 * odd), x2 = d[1] >> (8 * odd), x3 = d[3] >> (8 * odd);
+        for (int odd = 0; odd < 2; ++odd) {
+          const uint32_t x0 = d[0] >> (8 * odd), x1 = d[2] >> (8 * odd), x2 = d[1] >> (8 * odd), x3 = d[3] >> (8 * odd);
+          const uint32_t l0 = dl[0] >> (8 * odd), l1 = dl[2] >> (8 * odd), l2 = dl[1] >> (8 * odd),
+                         l3 = dl[3] >> (8 * odd);
 #pragma unroll
-        for (int pl = 0; pl < 4; ++pl) {
-          const uint32_t mask = 0x00030003u << (2 * pl);
-          mma16816_full(acc[odd][pl], plane_f16x2(x0, mask), plane_f16x2(x1, mask), plane_f16x2(x2, mask),
-                        plane_f16x2(x3, mask), pa[0], pa[1]);
+          for (int pl = 0; pl < 4; ++pl) {
+            const uint32_t mask = 0x00030003u << (2 * pl);
+            mma16816_full(acc[odd][pl], wide_plane_f16x2(x0, l0, mask), wide_plane_f16x2(x1, l1, mask),
+                          wide_plane_f16x2(x2, l2, mask), wide_plane_f16x2(x3, l3, mask), pa[0], pa[1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) {
+          // d: tokens 0-7 | 8-15 of bytes 0-15, then of bytes 16-31; byte 2g + odd of each 16-byte half
+          const uint32_t x0 = d[0] >> (8 * odd), x1 = d[2] >> (8 * odd), x2 = d[1] >> (8 * odd), x3 = d[3] >> (8 * odd);
+#pragma unroll
+          for (int pl = 0; pl < 4; ++pl) {
+            const uint32_t mask = 0x00030003u << (2 * pl);
+            mma16816_full(acc[odd][pl], plane_f16x2(x0, mask), plane_f16x2(x1, mask), plane_f16x2(x2, mask),
+                          plane_f16x2(x3, mask), pa[0], pa[1]);
+          }
         }
       }
     }
@@ -379,4 +434,17 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(
         o[channel + 16] = (acc[odd][pl][2 + e] * plane + min_row[e]) * inv_l;
       }
   }
+}
+}  // namespace oscar
+
+using namespace oscar;
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(const Params p) {
+  OSCAR_SHARED_BASE(shared_bytes);
+  history_attention<false>(p, shared_bytes);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention_wide(const Params p) {
+  OSCAR_SHARED_BASE(shared_bytes);
+  history_attention<true>(p, shared_bytes);
 }
