@@ -238,6 +238,61 @@ def niah_section(model: str) -> list[str]:
     return out + [f"- Note: {n}" for n in notes]
 
 
+# ------------------------------------------------------------------------------------------------ RULER
+def ruler_commands(data: dict, records: list[dict]) -> set[str]:
+    """Commands that measured these RULER requests: by each record's date (the file's run, or the earlier run whose
+    records it kept)."""
+    meta = data["meta"]
+    by_date = {meta["date"]: meta["command"]}
+    carried = meta.get("carried_over") or {}
+    if carried.get("date"):
+        by_date.setdefault(carried["date"], carried["command"])
+    return {command(by_date.get(r.get("date"), meta["command"])) for r in records}
+
+
+def ruler_section(model: str) -> list[str]:
+    """Per length: each task's score (percent, RULER's own scoring) per method, over the requests measured, the
+    average over the tasks, each method's bits per element and the CPU seconds each task took (one prefill per
+    request, then every method's answer)."""
+    data = load(model, "ruler")
+    if not data:
+        return []
+    records = [r for r in data["results"]["requests"] if r["method"] in PEERS]
+    out = []
+    commands = Commands(f"oscar-hf eval ruler --model {model}")
+    for length in sorted({r["length"] for r in records}):
+        at = [r for r in records if r["length"] == length]
+        methods = [m for m in PEERS if any(r["method"] == m for r in at)]
+        tasks = sorted({r["task"] for r in at})
+        out += [f"{length:,} tokens:", "",
+                "| task | requests | " + " | ".join(f"`{m}`" for m in methods) + " | CPU seconds |",
+                "|---|---|" + "---|" * (len(methods) + 1)]
+        means = {m: [] for m in methods}
+        for task in tasks:
+            rows = [r for r in at if r["task"] == task]
+            cells = []
+            for m in methods:
+                mine = [r for r in rows if r["method"] == m]
+                if mine:
+                    score = 100 * sum(r["score"] for r in mine) / len(mine)
+                    means[m].append(score)
+                    cells.append(f"{score:.0f}" + (f" ({len(mine)})" if len(mine) != len({r['doc_id'] for r in rows})
+                                                   else "") + commands.mark(ruler_commands(data, mine)))
+                else:
+                    cells.append("–")
+            docs = {r["doc_id"]: r["prefill_seconds"] for r in rows}
+            seconds = sum(docs.values()) + sum(r["seconds"] for r in rows)
+            out.append(f"| {task} | {len(docs)} | " + " | ".join(cells) + f" | {seconds:,.0f} |")
+        out.append("| **average** | | " + " | ".join(f"**{sum(v) / len(v):.1f}**" if v else "–"
+                                                    for v in means.values()) + " | |")
+        bits = {m: [r["bits_per_element"] for r in at if r["method"] == m] for m in methods}
+        out.append("| bits per element | | " + " | ".join(f"{sum(b) / len(b):.2f}" for b in bits.values()) + " | |")
+        out.append("")
+    meta = data["meta"]
+    return out + commands.lines() + ["", f"- Model dtype: {meta.get('dtype', 'as recorded in the file')}; "
+                                         f"{meta.get('protocol', '')}."]
+
+
 # ------------------------------------------------------------------------------------------------ bits
 def layout_bits(method: str, head_dim: int, tokens: int) -> float | None:
     """Bits per K/V element of a method's layout holding `tokens` tokens (16-bit metadata), from its accounting:
@@ -356,14 +411,16 @@ def main(argv=None) -> None:
         text += [f"![perplexity against BF16]({plot})", ""]
     text += ["## Bits per element", ""] + bits_section() + [""]
     for model in models():
-        ppl, niah = ppl_section(model), niah_section(model)
-        if not ppl and not niah:
+        ppl, niah, ruler = ppl_section(model), niah_section(model), ruler_section(model)
+        if not ppl and not niah and not ruler:
             continue
         text += model_heading(model)
         if ppl:
             text += ["### Perplexity", ""] + ppl + [""]
         if niah:
             text += ["### Needle retrieval", ""] + niah + [""]
+        if ruler:
+            text += ["### RULER (offline tasks)", ""] + ruler + [""]
     (EVAL / "RESULTS.md").write_text("\n".join(text).rstrip() + "\n")
     print(f"wrote {EVAL / 'RESULTS.md'}")
 

@@ -203,3 +203,28 @@ def test_a_field_added_since_counts_only_where_the_new_configuration_uses_it():
     with pytest.raises(ValueError, match="calibration_config.wide_heads: 'none' there, 'retrieval' now"):
         check_same_methods({"m": {**legacy, "oscar_config": dict(legacy["oscar_config"], wide_heads="none")}},
                            {"m": described(OscarConfig())}, {"m"})
+
+def test_the_ruler_table_scores_tasks_averages_them_and_names_each_command(tmp_path):
+    """RESULTS.md's RULER table: per task the mean score in percent over its requests (a method with fewer requests
+    than the task shows its count), the average over tasks, bits per element, CPU seconds (one prefill per request
+    plus every answer), and the command of each record's run (kept records name their own)."""
+    mr = _make_results()
+    rec = lambda task, doc, method, score, date: {  # noqa: E731
+        "task": task, "length": 4096, "doc_id": doc, "method": method, "score": score, "bits_per_element": 2.5,
+        "seconds": 1.0, "prefill_seconds": 10.0, "date": date}
+    records = ([rec("niah_single_1", d, m, s, "new") for d in range(2) for m, s in (("bf16", 1.0), ("oscar", d % 2))]
+               + [rec("ruler_vt", 0, "bf16", 0.5, "old"), rec("ruler_vt", 0, "oscar", 0.25, "old"),
+                  rec("ruler_vt", 1, "bf16", 1.0, "old")])
+    meta = {"command": "cli.py eval ruler --model m --methods bf16,oscar --output x", "date": "new", "dtype": "float32",
+            "carried_over": {"command": "cli.py eval ruler --model m --tasks ruler_vt", "date": "old"}}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "ruler.json").write_text(json.dumps({"meta": meta, "results": {"requests": records}}))
+    mr.RESULTS = tmp_path
+    lines = mr.ruler_section("m")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines
+            if line.startswith("| ")}
+    assert rows["niah_single_1"][1:] == ["2", "100 ¹", "50 ¹", "24"]  # 2 prefills of 10 s + 4 answers of 1 s
+    assert rows["ruler_vt"][1:] == ["2", "75 ²", "25 (1) ²", "23"]
+    assert rows["**average**"][2:4] == ["**87.5**", "**37.5**"]
+    assert rows["bits per element"][2:4] == ["2.50", "2.50"]
+    assert "1. `--methods bf16,oscar`" in lines and "2. `--tasks ruler_vt`" in lines
