@@ -678,14 +678,17 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
     return rows
 
 
-def section_history(device, quick, copy_bw, points=None):
+HISTORY_SPLIT_TOKENS = (512, 1024, 2048, 4096, 8192)  # the CUDA kernel's shortest split, swept by the history section
+
+
+def section_history(device, quick, copy_bw, points=None, check=True):
     """The CUDA history kernel (`OSCAR_HF_DECODE_KERNEL=cuda`, kernels/cuda_history.py) against the Triton kernel:
     first each against the torch twin (host lengths, device lengths, a CUDA-graph replay, a mask with holes), then
     decode attention per layer (stage 1 + merge, graph-replayed) with both kernels interleaved, Qwen3-8B geometry:
     "channels" (the default storage format: per-head blocks, wide heads, wide key channels), "wide" (without wide
     key channels), "default" (uniform blocks of 64), "mixed" (per-head blocks only)."""
     from oscar_hf.kernels import cuda_history
-    from oscar_hf.kernels.attention import decode_attention_triton, segment_attention_triton
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH, decode_attention_triton, segment_attention_triton
 
     def with_kernel(name, fn):
         saved = os.environ.get(cuda_history.ENV)
@@ -701,7 +704,7 @@ def section_history(device, quick, copy_bw, points=None):
     rows = []
     checks = [(1, 4096, "channels", 1), (3, 33000, "mixed", 1), (2, 9000, "channels", 2), (1, 100_000, "wide", 1),
               (1, 20000, "default", 1)]
-    for b, length, layout, t in (checks[:2] if quick else checks):
+    for b, length, layout, t in (checks[:2] if quick else checks) if check else ():
         args = list(random_segments(b, 8, 4, length, 128, t=t, device=device, layout=layout))
         n = length + t
         mask = torch.ones(b, n, dtype=torch.bool, device=device)
@@ -749,17 +752,28 @@ def section_history(device, quick, copy_bw, points=None):
             break
         args = decode_args(b, length, device, layout=layout)
         nbytes = bytes_read(args)
-        row = dict(kind="history_speed", batch=b, length=length, layout=layout, bytes=nbytes)
-        for rep in range(2):  # interleaved: triton, cuda, triton, cuda; the best of each
-            for name in ("triton", "cuda"):
-                us = with_kernel(name, lambda: bench_graph(lambda: segment_attention_triton(*args)))
-                row[f"{name}_us"] = min(row.get(f"{name}_us", float("inf")), us)
-        for name in ("triton", "cuda"):
+        row = dict(kind="history_speed", batch=b, length=length, layout=layout, bytes=nbytes,
+                   cuda_split_tokens=HISTORY_SPLIT_TOKENS)
+        default_split = DEFAULT_LAUNCH["cuda_history_split_tokens"]
+        for rep in range(2):  # interleaved: triton, cuda at each split length, again; the best of each
+            us = with_kernel("triton", lambda: bench_graph(lambda: segment_attention_triton(*args)))
+            row["triton_us"] = min(row.get("triton_us", float("inf")), us)
+            for split in HISTORY_SPLIT_TOKENS:
+                DEFAULT_LAUNCH["cuda_history_split_tokens"] = split
+                us = with_kernel("cuda", lambda: bench_graph(lambda: segment_attention_triton(*args)))
+                row[f"cuda_{split}_us"] = min(row.get(f"cuda_{split}_us", float("inf")), us)
+        DEFAULT_LAUNCH["cuda_history_split_tokens"] = default_split
+        row["cuda_us"] = row[f"cuda_{default_split}_us"] if default_split in HISTORY_SPLIT_TOKENS else None
+        best = min(HISTORY_SPLIT_TOKENS, key=lambda n: row[f"cuda_{n}_us"])
+        row["cuda_best_split_tokens"], row["cuda_best_us"] = best, row[f"cuda_{best}_us"]
+        for name in ("triton", "cuda_best"):
             row[f"{name}_fraction_of_copy_bw"] = nbytes / (row[f"{name}_us"] * 1e-6) / copy_bw
-        row["speedup"] = row["triton_us"] / row["cuda_us"]
+        row["speedup_best"] = row["triton_us"] / row["cuda_best_us"]
         log(f"history B={b:2d} L={length:6d} {layout}: triton {row['triton_us']:8.1f} us "
-            f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda {row['cuda_us']:8.1f} us "
-            f"({100 * row['cuda_fraction_of_copy_bw']:5.1f}%) | x{row['speedup']:.2f}")
+            f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda by split tokens "
+            + " ".join(f"{n}: {row[f'cuda_{n}_us']:.1f}" for n in HISTORY_SPLIT_TOKENS)
+            + f" | best {row['cuda_best_us']:.1f} us ({100 * row['cuda_best_fraction_of_copy_bw']:5.1f}%) "
+            f"x{row['speedup_best']:.2f}")
         rows.append(row)
         del args
         free()
@@ -1140,9 +1154,9 @@ def main(argv=None):
                 results["micro_tuned" if tuned else "micro"] = section_micro(device, args.quick, tuned,
                                                                              results["copy_bandwidth"],
                                                                              args.micro_points)
-            elif name == "history":
-                results["history"] = section_history(device, args.quick, results["copy_bandwidth"],
-                                                     args.micro_points)
+            elif name in ("history", "history-speed"):  # history-speed: the timings without the check
+                results[name] = section_history(device, args.quick, results["copy_bandwidth"], args.micro_points,
+                                                check=name == "history")
             elif name == "quant":
                 results["quant"] = section_quant(device, args.quick)
             elif name == "memory":

@@ -862,7 +862,8 @@ _BULK_PREFETCH: dict = {}
 # 52.5 / 63.1, 100K x 1 126.2 / 152.3 (these would not, and keep 12).
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
                       min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
-                      decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024)
+                      decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024,
+                      cuda_history_split_tokens=2048)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -1000,13 +1001,6 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     else:  # planned for the whole capacity: the same grid every step
         n_sink = n_hist = n_recent = n_extra = query_start = 0
         plan_hist, plan_recent, ring_size = hist_codes_k.shape[2], recent_k.shape[2], recent_k.shape[2]
-    target = target_programs or target_programs_for(b * h * m_tiles, plan_hist, _sm_count(q.device))
-    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target,
-                                                                     DEFAULT_LAUNCH["min_split_tiles"])
-    recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)
-    n_splits = 1 + hist_splits + recent_splits + extra_splits
-    partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
-    partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
     has_mask = key_mask is not None
     mask = key_mask if has_mask else q.new_empty(1, 1, dtype=torch.bool)
     if mask.dtype == torch.bool:
@@ -1040,6 +1034,19 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
                                                       key_chunk, groups, wide_table, meta_words)
         if problem is not None:
             raise ValueError(f"the CUDA history kernel does not cover this launch: {problem}")
+    if history_kernel is not None and target_programs is None:
+        # the CUDA kernel's warps each read a long run of the history (its per-split set-up and epilogue are a
+        # warp's, not a tile's): splits of at least `cuda_history_split_tokens`
+        min_tiles = max(1, DEFAULT_LAUNCH["cuda_history_split_tokens"] // block_n)
+    else:
+        min_tiles = DEFAULT_LAUNCH["min_split_tiles"]
+    target = target_programs or target_programs_for(b * h * m_tiles, plan_hist, _sm_count(q.device))
+    hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target,
+                                                                     min_tiles)
+    recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)
+    n_splits = 1 + hist_splits + recent_splits + extra_splits
+    partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
+    partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
     _segment_attention_kernel[(b * h, m_tiles, n_splits)](
         q, *q.stride(),
         partial, *partial.stride(),

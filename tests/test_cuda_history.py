@@ -94,9 +94,37 @@ def test_the_emulated_kernel_matches_the_twin(emulated, case):
     out = decode_attention_triton(q, b.sink_keys, b.sink_values, b.key_codes, b.key_meta, b.value_codes,
                                   b.value_meta, b.ring_keys, b.ring_values, mask, lengths, queries_per_group, scale,
                                   blocks, chunk, wide_rows=wide_rows, wide_channels=wide_channels,
-                                  history_kernel=history)
-    assert len(launches) == 1 and launches[0] >= 1
+                                  history_kernel=history, target_programs=12)  # several splits a head
+    assert len(launches) == 1 and launches[0] >= (2 if case["n_hist"] > 128 else 1)
     _check_decode_kernel(args, out)
+
+
+def test_the_cuda_kernels_splits_are_long_unless_a_program_count_is_asked_for(emulated):
+    """Without `target_programs`, a launch with the CUDA history kernel plans splits of at least
+    `cuda_history_split_tokens` (each warp's set-up and epilogue spread over a long run); the Triton kernel's own
+    plan is unchanged."""
+    from oscar_hf.kernels.attention import DEFAULT_LAUNCH
+
+    args = _static_buffers(b=1, h=2, g=4, t=1, d=128, capacity=1024, n_hist=1024, ring=24, n_recent=20, ring_lo=10,
+                           blocks=(64, 64), chunk=128, seed=5)
+    q, b, fmt, mask, lengths, qpg, scale = args
+    blocks, chunk, wide_rows, wide_channels = ops._kernel_layout(fmt.keys)
+    splits = []
+
+    def history(params):
+        splits.append((params.splits, params.split_tokens))
+        emulated.launch(cuda_history.grid(params), ctypes.byref(params))
+
+    for split_tokens in (256, 512):
+        DEFAULT_LAUNCH["cuda_history_split_tokens"], saved = split_tokens, DEFAULT_LAUNCH["cuda_history_split_tokens"]
+        try:
+            out = decode_attention_triton(q, b.sink_keys, b.sink_values, b.key_codes, b.key_meta, b.value_codes,
+                                          b.value_meta, b.ring_keys, b.ring_values, mask, lengths, qpg, scale, blocks,
+                                          chunk, history_kernel=history)
+        finally:
+            DEFAULT_LAUNCH["cuda_history_split_tokens"] = saved
+        _check_decode_kernel(args, out)
+    assert splits == [(4, 256), (2, 512)]
 
 
 def test_layouts_it_does_not_cover_are_named():
