@@ -678,7 +678,7 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
     return rows
 
 
-HISTORY_SPLIT_TOKENS = (512, 1024, 2048, 4096, 8192)  # the CUDA kernel's shortest split, swept by the history section
+HISTORY_WARPS_PER_SM = (4, 6, 8, 12)  # the CUDA kernel's split plan, swept by the history section
 
 
 def section_history(device, quick, copy_bw, points=None, check=True):
@@ -753,25 +753,25 @@ def section_history(device, quick, copy_bw, points=None, check=True):
         args = decode_args(b, length, device, layout=layout)
         nbytes = bytes_read(args)
         row = dict(kind="history_speed", batch=b, length=length, layout=layout, bytes=nbytes,
-                   cuda_split_tokens=HISTORY_SPLIT_TOKENS)
-        default_split = DEFAULT_LAUNCH["cuda_history_split_tokens"]
-        for rep in range(2):  # interleaved: triton, cuda at each split length, again; the best of each
+                   cuda_warps_per_sm=HISTORY_WARPS_PER_SM)
+        default_warps = DEFAULT_LAUNCH["cuda_history_warps_per_sm"]
+        for rep in range(2):  # interleaved: triton, cuda at each split plan, again; the best of each
             us = with_kernel("triton", lambda: bench_graph(lambda: segment_attention_triton(*args)))
             row["triton_us"] = min(row.get("triton_us", float("inf")), us)
-            for split in HISTORY_SPLIT_TOKENS:
-                DEFAULT_LAUNCH["cuda_history_split_tokens"] = split
+            for warps in HISTORY_WARPS_PER_SM:
+                DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = warps
                 us = with_kernel("cuda", lambda: bench_graph(lambda: segment_attention_triton(*args)))
-                row[f"cuda_{split}_us"] = min(row.get(f"cuda_{split}_us", float("inf")), us)
-        DEFAULT_LAUNCH["cuda_history_split_tokens"] = default_split
-        row["cuda_us"] = row[f"cuda_{default_split}_us"] if default_split in HISTORY_SPLIT_TOKENS else None
-        best = min(HISTORY_SPLIT_TOKENS, key=lambda n: row[f"cuda_{n}_us"])
-        row["cuda_best_split_tokens"], row["cuda_best_us"] = best, row[f"cuda_{best}_us"]
+                row[f"cuda_{warps}_us"] = min(row.get(f"cuda_{warps}_us", float("inf")), us)
+        DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = default_warps
+        row["cuda_us"] = row.get(f"cuda_{default_warps}_us")
+        best = min(HISTORY_WARPS_PER_SM, key=lambda n: row[f"cuda_{n}_us"])
+        row["cuda_best_warps_per_sm"], row["cuda_best_us"] = best, row[f"cuda_{best}_us"]
         for name in ("triton", "cuda_best"):
             row[f"{name}_fraction_of_copy_bw"] = nbytes / (row[f"{name}_us"] * 1e-6) / copy_bw
         row["speedup_best"] = row["triton_us"] / row["cuda_best_us"]
         log(f"history B={b:2d} L={length:6d} {layout}: triton {row['triton_us']:8.1f} us "
-            f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda by split tokens "
-            + " ".join(f"{n}: {row[f'cuda_{n}_us']:.1f}" for n in HISTORY_SPLIT_TOKENS)
+            f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda by warps per SM "
+            + " ".join(f"{n}: {row[f'cuda_{n}_us']:.1f}" for n in HISTORY_WARPS_PER_SM)
             + f" | best {row['cuda_best_us']:.1f} us ({100 * row['cuda_best_fraction_of_copy_bw']:5.1f}%) "
             f"x{row['speedup_best']:.2f}")
         rows.append(row)

@@ -99,10 +99,9 @@ def test_the_emulated_kernel_matches_the_twin(emulated, case):
     _check_decode_kernel(args, out)
 
 
-def test_the_cuda_kernels_splits_are_long_unless_a_program_count_is_asked_for(emulated):
-    """Without `target_programs`, a launch with the CUDA history kernel plans splits of at least
-    `cuda_history_split_tokens` (each warp's set-up and epilogue spread over a long run); the Triton kernel's own
-    plan is unchanged."""
+def test_the_cuda_kernels_splits_follow_its_own_warp_count_unless_a_program_count_is_asked_for(emulated):
+    """Without `target_programs`, a launch with the CUDA history kernel plans about `cuda_history_warps_per_sm` warps
+    (splits) per SM (one SM on the CPU), not the Triton kernel's program count."""
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH
 
     args = _static_buffers(b=1, h=2, g=4, t=1, d=128, capacity=1024, n_hist=1024, ring=24, n_recent=20, ring_lo=10,
@@ -115,16 +114,16 @@ def test_the_cuda_kernels_splits_are_long_unless_a_program_count_is_asked_for(em
         splits.append((params.splits, params.split_tokens))
         emulated.launch(cuda_history.grid(params), ctypes.byref(params))
 
-    for split_tokens in (256, 512):
-        DEFAULT_LAUNCH["cuda_history_split_tokens"], saved = split_tokens, DEFAULT_LAUNCH["cuda_history_split_tokens"]
+    for warps in (8, 2):  # 2 KV heads: 4 splits of 256 tokens, then 1 of 1,024
+        DEFAULT_LAUNCH["cuda_history_warps_per_sm"], saved = warps, DEFAULT_LAUNCH["cuda_history_warps_per_sm"]
         try:
             out = decode_attention_triton(q, b.sink_keys, b.sink_values, b.key_codes, b.key_meta, b.value_codes,
                                           b.value_meta, b.ring_keys, b.ring_values, mask, lengths, qpg, scale, blocks,
                                           chunk, history_kernel=history)
         finally:
-            DEFAULT_LAUNCH["cuda_history_split_tokens"] = saved
+            DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = saved
         _check_decode_kernel(args, out)
-    assert splits == [(4, 256), (2, 512)]
+    assert splits == [(4, 256), (1, 1024)]
 
 
 def test_layouts_it_does_not_cover_are_named():
