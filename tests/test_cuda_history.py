@@ -63,6 +63,9 @@ def test_the_launcher_mirrors_the_kernels_argument_and_shared_memory(emulated):
 CASES = [
     dict(b=2, h=2, g=4, t=1, capacity=256, n_hist=256, blocks=(64, 64)),                     # a full history
     dict(b=2, h=2, g=4, t=1, capacity=384, n_hist=200, blocks=(128, 64)),                    # ends inside a tile
+    # no mask: whole tiles skip the per-token test, the split's last tile keeps it
+    dict(b=2, h=2, g=4, t=1, capacity=384, n_hist=328, blocks=(128, 64), mask=False, ring=96, n_recent=90),
+    dict(b=1, h=3, g=4, t=2, capacity=384, n_hist=200, blocks=(64, 32, 128), head_bits=(2, 4, 2), mask=False),
     dict(b=1, h=3, g=4, t=1, capacity=256, n_hist=168, blocks=(64, 32, 128), wide_channels=(5, 0, 17)),
     dict(b=2, h=2, g=4, t=2, capacity=256, n_hist=136, blocks=(16, 128)),                    # 8 rows, 2 positions
     dict(b=2, h=2, g=4, t=1, capacity=256, n_hist=0, blocks=(64, 64)),                       # no history yet
@@ -79,8 +82,12 @@ def test_the_emulated_kernel_matches_the_twin(emulated, case):
     Triton kernel (interpreter), merged by the Triton merge: within twice the bf16 emulation's error of the fp32
     twin, as the Triton kernel is held (`_check_decode_kernel`). The masks hide a left-padded row's first 9 positions,
     history included."""
-    args = _static_buffers(d=128, ring=24, n_recent=20, ring_lo=10, chunk=128, seed=case["capacity"] + case["n_hist"],
-                           **case)
+    case = dict(case)
+    masked = case.pop("mask", True)
+    args = _static_buffers(**{"ring": 24, "n_recent": 20, **case}, d=128, ring_lo=10, chunk=128,
+                           seed=case["capacity"] + case["n_hist"])
+    if not masked:
+        args = (*args[:3], None, *args[4:])
     q, buffers, fmt, mask, lengths, queries_per_group, scale = args
     blocks, chunk, wide_rows, wide_channels = ops._kernel_layout(fmt.keys)
     launches = []

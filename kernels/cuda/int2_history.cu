@@ -75,15 +75,15 @@ template <bool WIDE> struct WarpSmem {
 
 #ifndef OSCAR_EMULATE
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // A's rows 8..15 (registers a1, a3) are zero
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  // A's rows 8..15 (registers a1, a3) are zero; not volatile: a pure register operation the compiler may schedule
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ void mma16816_full(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -210,11 +210,6 @@ __device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], con
   return bias;
 }
 
-__device__ __forceinline__ bool key_visible(const Params& p, int b, int t, int hi, int n_sink, int qpos) {
-  if (t >= hi || n_sink + t > qpos) return false;
-  return p.mask == nullptr || p.mask[b * p.smask_b + (n_sink + t) * p.smask_n] != 0;
-}
-
 template <bool WIDE> __device__ __forceinline__ void history_attention(const Params& p, uint8_t* shared_bytes) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   WarpSmem<WIDE>& sm = reinterpret_cast<WarpSmem<WIDE>*>(shared_bytes)[warp];
@@ -286,46 +281,65 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     const int t0 = lo + tt * TILE;
 
     float s[TILE / 8][2];  // scores of row r at tokens 8·nt + 2j, 2j + 1
+    // a tile whose every token every query row sees (all but a split's last tile in decode): no per-token test
+    const bool whole = t0 + TILE <= hi && n_sink + t0 + TILE - 1 <= q_start && p.mask == nullptr;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
       const int t = t0 + 16 * i;
       if ((tt == 0 && i == 0) || t % kblock == 0) bias = key_block_fragments(a, sm, st.kmeta[i], r, j);
+      // the subtile's two n-tiles, each in two accumulators (k-steps of word 0 and of word 1): four independent
+      // chains of 4 MMAs instead of two of 8
+      uint32_t words[2][2], lows[2][2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int offset = (8 * (2 * i + half) + r) * ROW_BYTES + 8 * j;
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + offset);
+        words[half][0] = row[0];
+        words[half][1] = row[1];
+        if (wide) {
+          const uint32_t* low = reinterpret_cast<const uint32_t*>(st.k_low + offset);
+          lows[half][0] = low[0];
+          lows[half][1] = low[1];
+        }
+      }
+      float c[2][2][4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[half][wi][e] = 0.f;
+#pragma unroll
+      for (int pl = 0; pl < 4; ++pl) {
+        const uint32_t mask = 0x00030003u << (2 * pl);
+#pragma unroll
+        for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t lo2 = pair_bytes(words[half][wi]), hi2 = lo2 >> 8;
+            if (wide) {
+              const uint32_t llo2 = pair_bytes(lows[half][wi]), lhi2 = llo2 >> 8;
+              mma16816(c[half][wi], a[wi][pl][0], a[wi][pl][1], wide_plane_f16x2(lo2, llo2, mask),
+                       wide_plane_f16x2(hi2, lhi2, mask));
+            } else {
+              mma16816(c[half][wi], a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
+            }
+          }
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int nt = 2 * i + half;
-        const int offset = (8 * nt + r) * ROW_BYTES + 8 * j;
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + offset);
-        const uint32_t words[2] = {row[0], row[1]};
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        if (wide) {
-          const uint32_t* low = reinterpret_cast<const uint32_t*>(st.k_low + offset);
-          const uint32_t lows[2] = {low[0], low[1]};
-#pragma unroll
-          for (int wi = 0; wi < 2; ++wi) {
-            const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
-            const uint32_t llo2 = pair_bytes(lows[wi]), lhi2 = llo2 >> 8;
-#pragma unroll
-            for (int pl = 0; pl < 4; ++pl) {
-              const uint32_t mask = 0x00030003u << (2 * pl);
-              mma16816(c, a[wi][pl][0], a[wi][pl][1], wide_plane_f16x2(lo2, llo2, mask),
-                       wide_plane_f16x2(hi2, lhi2, mask));
-            }
-          }
-        } else {
-#pragma unroll
-          for (int wi = 0; wi < 2; ++wi) {
-            const uint32_t lo2 = pair_bytes(words[wi]), hi2 = lo2 >> 8;
-#pragma unroll
-            for (int pl = 0; pl < 4; ++pl) {
-              const uint32_t mask = 0x00030003u << (2 * pl);
-              mma16816(c, a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
-            }
-          }
-        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int tok = t0 + 8 * nt + 2 * j + e;
-          s[nt][e] = row_ok && key_visible(p, b, tok, hi, n_sink, qpos) ? c[e] + bias : -INFINITY;
+          const float score = c[half][0][e] + c[half][1][e] + bias;
+          if (whole) {
+            s[nt][e] = score;
+          } else {  // branch-free: the split's end, causality, the mask
+            const int tok = t0 + 8 * nt + 2 * j + e;
+            bool visible = row_ok & (tok < hi) & (n_sink + tok <= qpos);
+            if (p.mask != nullptr) visible = visible & (p.mask[b * p.smask_b + (n_sink + imin(tok, hi - 1)) * p.smask_n] != 0);
+            s[nt][e] = visible ? score : -INFINITY;
+          }
         }
       }
     }
