@@ -1027,18 +1027,16 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
-    if history_kernel is None and cuda_history.requested() and q.device.type == "cuda":
+    asked = history_kernel is not None  # a caller's runner (the CPU emulation) must be covered; the opt-in may not
+    if asked or (cuda_history.requested() and q.device.type == "cuda"):
         problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
                                                       key_chunk, groups, wide_table, meta_words)
-        if problem is None:
-            history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
-        else:
-            cuda_history.log_fallback(problem)
-    elif history_kernel is not None:
-        problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
-                                                      key_chunk, groups, wide_table, meta_words)
-        if problem is not None:
+        if problem is not None and asked:
             raise ValueError(f"the CUDA history kernel does not cover this launch: {problem}")
+        if problem is not None:
+            cuda_history.log_fallback(problem)
+        elif not asked:
+            history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
     if history_kernel is not None and target_programs is None:
         # the CUDA kernel: one warp a split, about `cuda_history_warps_per_sm` of them per SM (one wave of long
         # splits; eval/results/gpu/cuda_history_split_sweep_h100.log)
