@@ -47,6 +47,13 @@ inline uint32_t pair_bytes(uint32_t w) {  // __byte_perm(w, 0, 0x3120): bytes [b
   uint32_t b0 = w & 0xFF, b1 = (w >> 8) & 0xFF, b2 = (w >> 16) & 0xFF, b3 = w >> 24;
   return b0 | (b2 << 8) | (b1 << 16) | (b3 << 24);
 }
+inline uint32_t biased_plane_f16x2(uint32_t x, uint32_t mask) { return (x & mask) | 0x64006400u; }  // lop3 alone
+inline uint32_t low_halves(uint32_t a, uint32_t b) { return (a & 0xFFFFu) | (b << 16); }     // prmt 0x5410
+inline uint32_t high_halves(uint32_t a, uint32_t b) { return (a >> 16) | (b & 0xFFFF0000u); }  // prmt 0x7632
+inline uint32_t hmul2(uint32_t a, uint32_t b) {  // mul.rn.f16x2: the fp16 product is exact in float, rounded once
+  return pack_f16x2(emu::h2f(a & 0xFFFF) * emu::h2f(b & 0xFFFF), emu::h2f(a >> 16) * emu::h2f(b >> 16));
+}
+struct uint4 { uint32_t x, y, z, w; };
 inline uint32_t plane_f16x2(uint32_t x, uint32_t mask) {  // ((x & mask) | 0x6400 in each half) - 1024.0, per half
   uint32_t r = (x & mask) | 0x64006400u;
   return pack_f16x2(emu::h2f(r & 0xFFFF) - 1024.f, emu::h2f(r >> 16) - 1024.f);

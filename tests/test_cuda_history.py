@@ -73,6 +73,9 @@ CASES = [
     dict(b=2, h=3, g=4, t=1, capacity=256, n_hist=200, blocks=(64, 32, 128), head_bits=(2, 4, 4)),  # wide heads
     dict(b=1, h=3, g=4, t=2, capacity=384, n_hist=328, blocks=(32, 64, 128), head_bits=(2, 4, 2),
          wide_channels=(64, 0, 3)),                                                           # ... with wide channels
+    # key chunks that tiles straddle (48 tokens), and a block of 384 tokens (not a power of two) over 3 chunks' worth
+    dict(b=1, h=2, g=4, t=1, capacity=384, n_hist=376, blocks=(16, 16), chunk=48, mask=False),
+    dict(b=1, h=2, g=4, t=1, capacity=1152, n_hist=1100, blocks=(384, 32), chunk=384),
 ]
 
 
@@ -84,7 +87,7 @@ def test_the_emulated_kernel_matches_the_twin(emulated, case):
     history included."""
     case = dict(case)
     masked = case.pop("mask", True)
-    args = _static_buffers(**{"ring": 24, "n_recent": 20, **case}, d=128, ring_lo=10, chunk=128,
+    args = _static_buffers(**{"ring": 24, "n_recent": 20, "chunk": 128, **case}, d=128, ring_lo=10,
                            seed=case["capacity"] + case["n_hist"])
     if not masked:
         args = (*args[:3], None, *args[4:])

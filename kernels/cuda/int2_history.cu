@@ -119,7 +119,20 @@ __device__ __forceinline__ uint32_t wide_plane_f16x2(uint32_t high, uint32_t low
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(l), "r"(0x34003400u), "r"(h));
   return r;
 }
+// (1024 + c·4^p) per half, without the subtraction: the value MMAs subtract 1024·ΣP' once per output instead
+__device__ __forceinline__ uint32_t biased_plane_f16x2(uint32_t x, uint32_t mask) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(mask), "r"(MAGIC));
+  return r;
+}
 __device__ __forceinline__ uint32_t pair_bytes(uint32_t w) { return __byte_perm(w, 0, 0x3120); }
+__device__ __forceinline__ uint32_t low_halves(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x5410); }
+__device__ __forceinline__ uint32_t high_halves(uint32_t a, uint32_t b) { return __byte_perm(a, b, 0x7632); }
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -145,7 +158,37 @@ __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
-// Stage one tile: key and value codes, the values' (scale, minimum) words, and the key block rows that start in it.
+// Where the key metadata of the next 16-token subtile to stage lies: chunk, subtile within the chunk and within its
+// key block, metadata row. Blocks and chunks are whole subtiles (blocks of >= 16 tokens, powers of two or multiples
+// of 128, that divide the chunk: format.kernel_layout_problem), so a subtile at a time it advances without the
+// integer divisions that indexing by token would take in the tile loop.
+struct KeyBlockCursor {
+  int chunk, sub, in_block, row;
+  int chunk_subtiles, block_subtiles, first_row;
+  __device__ __forceinline__ void start(int t, int key_chunk, int kblock, int koffset) {
+    chunk_subtiles = key_chunk / 16;
+    block_subtiles = kblock / 16;
+    first_row = koffset;
+    chunk = t / key_chunk;
+    sub = (t % key_chunk) / 16;
+    in_block = sub % block_subtiles;
+    row = koffset + sub / block_subtiles;
+  }
+  __device__ __forceinline__ void advance() {
+    ++sub;
+    ++in_block;
+    if (in_block == block_subtiles) {
+      in_block = 0;
+      ++row;
+    }
+    if (sub == chunk_subtiles) {  // a chunk ends where one of its blocks does
+      sub = 0;
+      ++chunk;
+      row = first_row;
+    }
+  }
+};
+
 template <bool WIDE>
 __device__ __forceinline__ void issue_codes(uint8_t* k, uint8_t* v, const Params& p, int b, int row, int t0, int lane) {
   const uint8_t* ck = p.codes_k + b * p.sck_b + row * p.sck_h;
@@ -158,9 +201,12 @@ __device__ __forceinline__ void issue_codes(uint8_t* k, uint8_t* v, const Params
   }
 }
 
+// Stage one tile: key and value codes, the values' (scale, minimum) words, and the key block rows that start in it
+// (and the split's first). Returns a bit per 16-token subtile whose block row it staged: the query fragments to
+// rebuild when the tile is read.
 template <bool WIDE>
-__device__ __forceinline__ void issue_tile(Stage<WIDE>& st, const Params& p, int b, int h, int t0, int hi, int lane,
-                                           int kblock, int koffset, int wide_row) {
+__device__ __forceinline__ uint32_t issue_tile(Stage<WIDE>& st, const Params& p, int b, int h, int t0, int hi,
+                                               int lane, int wide_row, KeyBlockCursor& cursor, bool first) {
   issue_codes<WIDE>(st.k, st.v, p, b, h, t0, lane);
   if (WIDE && wide_row >= 0) issue_codes<WIDE>(st.k_low, st.v_low, p, b, wide_row, t0, lane);
   const uint32_t* mv = p.meta_v + b * p.smv_b + h * p.smv_h;
@@ -169,45 +215,44 @@ __device__ __forceinline__ void issue_tile(Stage<WIDE>& st, const Params& p, int
     int n = lane + 32 * i;
     cp_async4(st.vmeta + n, mv + imin(t0 + n, p.cap_v - 1) * p.smv_t);
   }
+  const uint32_t* mk = p.meta_k + b * p.smk_b;
+  uint32_t staged = 0;
 #pragma unroll
   for (int i = 0; i < TILE / 16; ++i) {
-    int t = t0 + 16 * i;
-    if (t < hi && (i == 0 || t % kblock == 0)) {
-      const uint32_t* row = p.meta_k + b * p.smk_b + (t / p.key_chunk) * p.smk_c +
-                            (koffset + (t % p.key_chunk) / kblock) * p.smk_r;
-      cp_async16(&st.kmeta[i][4 * lane], row + 4 * lane);
+    if (t0 + 16 * i < hi && ((first && i == 0) || cursor.in_block == 0)) {
+      cp_async16(&st.kmeta[i][4 * lane], mk + cursor.chunk * p.smk_c + cursor.row * p.smk_r + 4 * lane);
+      staged |= 1u << i;
     }
+    cursor.advance();
   }
+  return staged;
 }
 
-// The query's A fragments for one key block: slot s of k-step (wi, p) scaled by the slot's scale and 4^-p, and the
-// block's bias Σ_c q_c·minimum_c for this lane's row (reduced over the row's four lanes).
-template <bool WIDE>
-__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const WarpSmem<WIDE>& sm,
-                                                     const uint32_t* kmeta, int r, int j) {
-  float bias = 0.f;
+// The query's A fragments for one key block: slot s of k-step (wi, p) is the gathered query times the slot's scale
+// and 4^-p, as fp16 products (each rounded once, as the float product would be: both factors are fp16 and 4^-p is
+// exact), and the block's bias Σ_c q_c·minimum_c for this lane's row, by MMAs of the query against the minima
+// (every column of B alike, so each lane's first accumulator is its own row's sum). `qg`, `qq`: this lane's query
+// slots, gathered by the wide channels' pairing and as they are.
+__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const uint32_t* kmeta,
+                                                     const uint32_t (&qg)[2][4][2], const uint32_t (&qq)[2][4][2],
+                                                     int j) {
+  constexpr uint32_t PLANE[4] = {0x3C003C00u, 0x34003400u, 0x2C002C00u, 0x24002400u};  // 4^-p in both fp16 halves
+  float bias[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float plane = 1.0f / static_cast<float>(1 << (2 * p));
+  for (int p = 0; p < 4; ++p)
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
-      const int slot = 32 * p + 8 * j + 4 * wi;
-      float x[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        uint32_t w = kmeta[slot + e];
-        float s = f16_bits_to_float(static_cast<uint16_t>(w & 0xFFFFu));
-        float m = f16_bits_to_float(static_cast<uint16_t>(w >> 16));
-        x[e] = f16_bits_to_float(sm.g[r][slot + e]) * s * plane;
-        bias += f16_bits_to_float(sm.q[r][slot + e]) * m;
+      const uint4 w = *reinterpret_cast<const uint4*>(kmeta + 32 * p + 8 * j + 4 * wi);  // (scale, minimum) words
+      uint32_t a0 = hmul2(qg[wi][p][0], low_halves(w.x, w.y)), a1 = hmul2(qg[wi][p][1], low_halves(w.z, w.w));
+      if (p > 0) {
+        a0 = hmul2(a0, PLANE[p]);
+        a1 = hmul2(a1, PLANE[p]);
       }
-      a[wi][p][0] = pack_f16x2(x[0], x[1]);
-      a[wi][p][1] = pack_f16x2(x[2], x[3]);
+      a[wi][p][0] = a0;
+      a[wi][p][1] = a1;
+      mma16816(bias[wi], qq[wi][p][0], qq[wi][p][1], high_halves(w.x, w.y), high_halves(w.z, w.w));
     }
-  }
-  bias += shfl_xor(bias, 1);
-  bias += shfl_xor(bias, 2);
-  return bias;
+  return bias[0][0] + bias[1][0];
 }
 
 template <bool WIDE> __device__ __forceinline__ void history_attention(const Params& p, uint8_t* shared_bytes) {
@@ -230,7 +275,6 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
   const bool row_ok = r < p.rows;
   const int lo = split * p.split_tokens;
   const int hi = imin(imin(lo + p.split_tokens, n_hist), max_qpos + 1 - n_sink);
-  const int kblock = p.key_table[2 * h], koffset = p.key_table[2 * h + 1];
   const int wide_row = WIDE ? p.wide_table[h] : -1;
   const bool wide = WIDE && wide_row >= 0;  // uniform over the warp
 
@@ -252,6 +296,17 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     sm.g[row][c] = sm.q[row][c < D - n_wide ? c : c - (D - n_wide)];
   }
   sync_warp();
+  uint32_t qg[2][4][2], qq[2][4][2];  // this lane's query slots (row r, the k-steps' slots 32p + 8j + 4wi + 0..3)
+#pragma unroll
+  for (int pl = 0; pl < 4; ++pl)
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int slot = 32 * pl + 8 * j + 4 * wi + 2 * e;
+        qg[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.g[r][slot]);
+        qq[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.q[r][slot]);
+      }
 
   float acc[2][4][4];  // [odd][plane]: Oᵀ of channels 32·plane + 2g + odd (c0, c1) and + 16 (c2, c3)
 #pragma unroll
@@ -260,20 +315,26 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     for (int pl = 0; pl < 4; ++pl)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[odd][pl][e] = 0.f;
+  // 1024·ΣP' of each accumulator column (query row): 2-bit value codes enter the MMAs as 1024 + c·4^p, and this is
+  // subtracted once at the end (its rows all alike: lane 4g + j holds rows 2j, 2j + 1 in off[0], off[1])
+  float off[4] = {0.f, 0.f, 0.f, 0.f};
   float m_i = -INFINITY, l_i = 0.f, min_sum = 0.f;
   uint32_t a[2][4][2];
   float bias = 0.f;
 
+  static_assert(STAGES == 2, "one staged tile ahead: `pending` holds its fragment bits");
+  KeyBlockCursor cursor;
+  cursor.start(lo, p.key_chunk, p.key_table[2 * h], p.key_table[2 * h + 1]);
   const int n_tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < n_tiles) issue_tile<WIDE>(sm.stage[s], p, b, h, lo + s * TILE, hi, lane, kblock, koffset, wide_row);
-    cp_async_commit();
-  }
+  uint32_t pending = 0;  // the staged tile's subtiles that start a key block
+  if (n_tiles > 0) pending = issue_tile<WIDE>(sm.stage[0], p, b, h, lo, hi, lane, wide_row, cursor, true);
+  cp_async_commit();
   for (int tt = 0; tt < n_tiles; ++tt) {
-    const int ahead = tt + STAGES - 1;
-    if (ahead < n_tiles)
-      issue_tile<WIDE>(sm.stage[ahead % STAGES], p, b, h, lo + ahead * TILE, hi, lane, kblock, koffset, wide_row);
+    const int ahead = tt + 1;
+    const uint32_t starts = pending;
+    pending = ahead < n_tiles ? issue_tile<WIDE>(sm.stage[ahead % STAGES], p, b, h, lo + ahead * TILE, hi, lane,
+                                                 wide_row, cursor, false)
+                              : 0u;
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     sync_warp();
@@ -285,8 +346,7 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     const bool whole = t0 + TILE <= hi && n_sink + t0 + TILE - 1 <= q_start && p.mask == nullptr;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
-      const int t = t0 + 16 * i;
-      if ((tt == 0 && i == 0) || t % kblock == 0) bias = key_block_fragments(a, sm, st.kmeta[i], r, j);
+      if ((starts >> i) & 1u) bias = key_block_fragments(a, st.kmeta[i], qg, qq, j);
       // the subtile's two n-tiles, each in two accumulators (k-steps of word 0 and of word 1): four independent
       // chains of 4 MMAs instead of two of 8
       uint32_t words[2][2], lows[2][2];
@@ -366,6 +426,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
         acc[odd][pl][2] *= alpha_lo;
         acc[odd][pl][3] *= alpha_hi;
       }
+    off[0] *= alpha_lo;
+    off[1] *= alpha_hi;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
       uint32_t pa[2];
@@ -405,6 +467,10 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
           }
         }
       } else {
+        float off_rows[4] = {off[0], off[1], off[0], off[1]};
+        mma16816_full(off_rows, MAGIC, MAGIC, MAGIC, MAGIC, pa[0], pa[1]);
+        off[0] = off_rows[0];
+        off[1] = off_rows[1];
 #pragma unroll
         for (int odd = 0; odd < 2; ++odd) {
           // d: tokens 0-7 | 8-15 of bytes 0-15, then of bytes 16-31; byte 2g + odd of each 16-byte half
@@ -412,8 +478,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
 #pragma unroll
           for (int pl = 0; pl < 4; ++pl) {
             const uint32_t mask = 0x00030003u << (2 * pl);
-            mma16816_full(acc[odd][pl], plane_f16x2(x0, mask), plane_f16x2(x1, mask), plane_f16x2(x2, mask),
-                          plane_f16x2(x3, mask), pa[0], pa[1]);
+            mma16816_full(acc[odd][pl], biased_plane_f16x2(x0, mask), biased_plane_f16x2(x1, mask),
+                          biased_plane_f16x2(x2, mask), biased_plane_f16x2(x3, mask), pa[0], pa[1]);
           }
         }
       }
@@ -444,8 +510,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
       for (int pl = 0; pl < 4; ++pl) {
         const float plane = 1.0f / static_cast<float>(1 << (2 * pl));
         const int channel = 32 * pl + 2 * r + odd;
-        o[channel] = (acc[odd][pl][e] * plane + min_row[e]) * inv_l;
-        o[channel + 16] = (acc[odd][pl][2 + e] * plane + min_row[e]) * inv_l;
+        o[channel] = ((acc[odd][pl][e] - off[e]) * plane + min_row[e]) * inv_l;
+        o[channel + 16] = ((acc[odd][pl][2 + e] - off[e]) * plane + min_row[e]) * inv_l;
       }
   }
 }
