@@ -104,16 +104,6 @@ inline void mma_from_words(float (&c)[4]) {
 }
 }  // namespace emu
 
-// The same MMA with A's rows 8..15 (registers a1, a3) zero.
-inline void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  auto& w = *emu::warp;
-  const uint32_t mine[6] = {a0, 0u, a2, 0u, b0, b1};
-  std::memcpy(w.words[emu::lane()], mine, sizeof mine);
-  w.sync.arrive_and_wait();
-  emu::mma_from_words(c);
-  w.sync.arrive_and_wait();
-}
-
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8i..8i+7 give the rows of matrix i (16 bytes each); lane
 // 4g + t receives, of each matrix, the b16 elements (row 2t, column g) and (row 2t + 1, column g).
 inline void ldsm_x4_trans(uint32_t (&d)[4], const void* row) {
@@ -129,6 +119,20 @@ inline void ldsm_x4_trans(uint32_t (&d)[4], const void* row) {
     d[i] = e0 | (static_cast<uint32_t>(e1) << 16);
   }
   w.sync.arrive_and_wait();
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: lane 4r + c/2 holds element (r, c) of an 8 × 8 b16 matrix (half c % 2);
+// each lane receives the transpose's elements in the same places.
+inline uint32_t movmatrix_trans(uint32_t x) {
+  auto& w = *emu::warp;
+  const int l = emu::lane();
+  w.words[l][0] = x;
+  w.sync.arrive_and_wait();
+  const int g = l / 4, t = l % 4;
+  auto element = [&](int r, int c) { return (w.words[4 * r + c / 2][0] >> (16 * (c % 2))) & 0xFFFFu; };
+  const uint32_t out = element(2 * t, g) | (element(2 * t + 1, g) << 16);
+  w.sync.arrive_and_wait();
+  return out;
 }
 
 inline void cp_async16(void* dst, const void* src) { emu::open_group.push_back({dst, src, 16}); }

@@ -12,18 +12,19 @@
 // tests/cuda_emulation.h runs this same file on the CPU, 32 threads per warp in lockstep at each warp-wide op.
 //
 // Fragments (PTX ISA, mma.m16n8k16 with f16 operands; lane = 4·g + j):
-//   scores S[r][n] = Σ_k A[r][k]·B[k][n] with A = the query times the key block's scales (row r = g, query rows
-//   8..15 zero) and B = key codes (n = token g of an 8-token n-tile). The k order is ours to choose: in k-step
-//   (wi, p), k = 2j, 2j+1, 2j+8, 2j+9 is key slot 32p + 8j + 4wi + 0, 1, 2, 3, which are the 2-bit codes of plane p
-//   in bytes 8j + 4wi + 0..3 of the token's row, the 32-bit word lane j reads (two words: wi = 0, 1).
-//   values, transposed: Oᵀ[c][r] = Σ_n V[n][c]·P'[r][n] with P' = P times each token's value scale. S's
-//   accumulator over two n-tiles is P'ᵀ's B fragment as it stands (lane 4g + j holds row g at tokens 2j, 2j + 1,
+//   scores, transposed: Sᵀ[n][r] = Σ_k K[n][k]·Q'[r][k] over a 16-token subtile, with A = key codes (rows g, g + 8
+//   are tokens) and B = the query times the key block's scales (column g is query row g). The k order is ours to
+//   choose: in k-step (wi, p), k = 2j, 2j+1, 2j+8, 2j+9 is key slot 32p + 8j + 4wi + 0, 1, 2, 3, which are the
+//   2-bit codes of plane p in bytes 8j + 4wi + 0..3 of the token's row, the 32-bit word lane j reads (two words:
+//   wi = 0, 1). Lane 4g + j holds tokens g, g + 8 of query rows 2j, 2j + 1, and keeps those rows' softmax state.
+//   values, transposed: Oᵀ[c][r] = Σ_n V[n][c]·P'[r][n] with P' = P times each token's value scale. `movmatrix`
+//   turns each 8-token half of Sᵀ's layout into P'ᵀ's B fragment (lane 4g + j: row g at tokens 2j, 2j + 1 |
 //   2j + 8, 2j + 9), and Vᵀ's A fragment comes from `ldmatrix.trans` over the 16-byte halves of the token rows: in
 //   m-tile (odd, p), MMA row g is channel 32p + 2g + odd and row g + 8 channel 32p + 16 + 2g + odd. All 8 output
-//   columns are query rows, so the accumulator holds no padding (lane 4g + j: query rows 2j, 2j + 1).
+//   columns are query rows, so no accumulator holds padding (lane 4g + j: query rows 2j, 2j + 1).
 //   A 2-bit code c of plane p becomes the fp16 number c·4^p exactly: masked in place into the mantissa of 1024
 //   ((x & mask) | 0x6400, one `lop3` for two codes) minus 1024; 4^-p is folded into the query (keys) or applied to
-//   the accumulator at the end (values).
+//   the accumulator at the end (values, whose 2-bit codes skip the subtraction: 1024·ΣP' leaves once at the end).
 
 #include <stdint.h>
 #ifndef OSCAR_EMULATE
@@ -74,13 +75,6 @@ template <bool WIDE> struct WarpSmem {
 };
 
 #ifndef OSCAR_EMULATE
-__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // A's rows 8..15 (registers a1, a3) are zero; not volatile: a pure register operation the compiler may schedule
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ void mma16816_full(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                               uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -136,6 +130,11 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {  // the warp's 8 × 8 b16 matrix, transposed
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
 }
 __device__ __forceinline__ float shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
@@ -228,16 +227,16 @@ __device__ __forceinline__ uint32_t issue_tile(Stage<WIDE>& st, const Params& p,
   return staged;
 }
 
-// The query's A fragments for one key block: slot s of k-step (wi, p) is the gathered query times the slot's scale
+// The query's B fragments for one key block: slot s of k-step (wi, p) is the gathered query times the slot's scale
 // and 4^-p, as fp16 products (each rounded once, as the float product would be: both factors are fp16 and 4^-p is
-// exact), and the block's bias Σ_c q_c·minimum_c for this lane's row, by MMAs of the query against the minima
-// (every column of B alike, so each lane's first accumulator is its own row's sum). `qg`, `qq`: this lane's query
-// slots, gathered by the wide channels' pairing and as they are.
-__device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], const uint32_t* kmeta,
-                                                     const uint32_t (&qg)[2][4][2], const uint32_t (&qq)[2][4][2],
-                                                     int j) {
+// exact), and the block's bias Σ_c q_c·minimum_c of query rows 2j and 2j + 1, by MMAs of the minima (every row of A
+// alike) against the query. `qg`, `qq`: this lane's query slots (row g), gathered by the wide channels' pairing and
+// as they are.
+__device__ __forceinline__ void key_block_fragments(uint32_t (&a)[2][4][2], float (&bias)[2], const uint32_t* kmeta,
+                                                    const uint32_t (&qg)[2][4][2], const uint32_t (&qq)[2][4][2],
+                                                    int j) {
   constexpr uint32_t PLANE[4] = {0x3C003C00u, 0x34003400u, 0x2C002C00u, 0x24002400u};  // 4^-p in both fp16 halves
-  float bias[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  float sums[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -250,9 +249,11 @@ __device__ __forceinline__ float key_block_fragments(uint32_t (&a)[2][4][2], con
       }
       a[wi][p][0] = a0;
       a[wi][p][1] = a1;
-      mma16816(bias[wi], qq[wi][p][0], qq[wi][p][1], high_halves(w.x, w.y), high_halves(w.z, w.w));
+      const uint32_t m01 = high_halves(w.x, w.y), m23 = high_halves(w.z, w.w);
+      mma16816_full(sums[wi], m01, m01, m23, m23, qq[wi][p][0], qq[wi][p][1]);
     }
-  return bias[0][0] + bias[1][0];
+  bias[0] = sums[0][0] + sums[1][0];
+  bias[1] = sums[0][1] + sums[1][1];
 }
 
 template <bool WIDE> __device__ __forceinline__ void history_attention(const Params& p, uint8_t* shared_bytes) {
@@ -268,11 +269,9 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     n_hist = p.lengths[1];
     q_start = p.lengths[4];
   }
-  const int r = lane / 4, j = lane % 4;
+  const int g = lane / 4, j = lane % 4;
   const int T = p.tokens_per_row_group;
   const int max_qpos = q_start + imin(p.rows, T) - 1;
-  const int qpos = q_start + r % T;
-  const bool row_ok = r < p.rows;
   const int lo = split * p.split_tokens;
   const int hi = imin(imin(lo + p.split_tokens, n_hist), max_qpos + 1 - n_sink);
   const int wide_row = WIDE ? p.wide_table[h] : -1;
@@ -296,7 +295,7 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     sm.g[row][c] = sm.q[row][c < D - n_wide ? c : c - (D - n_wide)];
   }
   sync_warp();
-  uint32_t qg[2][4][2], qq[2][4][2];  // this lane's query slots (row r, the k-steps' slots 32p + 8j + 4wi + 0..3)
+  uint32_t qg[2][4][2], qq[2][4][2];  // this lane's query slots (row g, the k-steps' slots 32p + 8j + 4wi + 0..3)
 #pragma unroll
   for (int pl = 0; pl < 4; ++pl)
 #pragma unroll
@@ -304,8 +303,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int slot = 32 * pl + 8 * j + 4 * wi + 2 * e;
-        qg[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.g[r][slot]);
-        qq[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.q[r][slot]);
+        qg[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.g[g][slot]);
+        qq[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.q[g][slot]);
       }
 
   float acc[2][4][4];  // [odd][plane]: Oᵀ of channels 32·plane + 2g + odd (c0, c1) and + 16 (c2, c3)
@@ -315,12 +314,18 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     for (int pl = 0; pl < 4; ++pl)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[odd][pl][e] = 0.f;
-  // 1024·ΣP' of each accumulator column (query row): 2-bit value codes enter the MMAs as 1024 + c·4^p, and this is
-  // subtracted once at the end (its rows all alike: lane 4g + j holds rows 2j, 2j + 1 in off[0], off[1])
-  float off[4] = {0.f, 0.f, 0.f, 0.f};
-  float m_i = -INFINITY, l_i = 0.f, min_sum = 0.f;
+  // this lane's query rows are 2j and 2j + 1 (e = 0, 1) from the scores on: their softmax state, and 1024·ΣP' of
+  // each (2-bit value codes enter the MMAs as 1024 + c·4^p; this is subtracted once at the end)
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f}, min_sum[2] = {0.f, 0.f}, off[2] = {0.f, 0.f};
   uint32_t a[2][4][2];
-  float bias = 0.f;
+  float bias[2] = {0.f, 0.f};
+  int row_pos[2];
+  bool row_in[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    row_in[e] = 2 * j + e < p.rows;
+    row_pos[e] = q_start + (2 * j + e) % T;
+  }
 
   static_assert(STAGES == 2, "one staged tile ahead: `pending` holds its fragment bits");
   KeyBlockCursor cursor;
@@ -341,111 +346,117 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     const Stage<WIDE>& st = sm.stage[tt % STAGES];
     const int t0 = lo + tt * TILE;
 
-    float s[TILE / 8][2];  // scores of row r at tokens 8·nt + 2j, 2j + 1
+    float s[TILE / 16][2][2];  // [subtile][token g, g + 8][query row 2j + e]
     // a tile whose every token every query row sees (all but a split's last tile in decode): no per-token test
     const bool whole = t0 + TILE <= hi && n_sink + t0 + TILE - 1 <= q_start && p.mask == nullptr;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
-      if ((starts >> i) & 1u) bias = key_block_fragments(a, st.kmeta[i], qg, qq, j);
-      // the subtile's two n-tiles, each in two accumulators (k-steps of word 0 and of word 1): four independent
-      // chains of 4 MMAs instead of two of 8
-      uint32_t words[2][2], lows[2][2];
+      if ((starts >> i) & 1u) key_block_fragments(a, bias, st.kmeta[i], qg, qq, j);
+      uint32_t words[2][2], lows[2][2];  // [token g, g + 8][word wi]
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int offset = (8 * (2 * i + half) + r) * ROW_BYTES + 8 * j;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int offset = (16 * i + 8 * hh + g) * ROW_BYTES + 8 * j;
         const uint32_t* row = reinterpret_cast<const uint32_t*>(st.k + offset);
-        words[half][0] = row[0];
-        words[half][1] = row[1];
+        words[hh][0] = row[0];
+        words[hh][1] = row[1];
         if (wide) {
           const uint32_t* low = reinterpret_cast<const uint32_t*>(st.k_low + offset);
-          lows[half][0] = low[0];
-          lows[half][1] = low[1];
+          lows[hh][0] = low[0];
+          lows[hh][1] = low[1];
         }
       }
-      float c[2][2][4];
+      // Sᵀ of the subtile's 16 tokens: the codes as A (rows g, g + 8 are tokens), the query fragments as B; the
+      // k-steps of word 0 and of word 1 in two accumulators, so two independent chains of 4 MMAs
+      float c[2][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+      for (int wi = 0; wi < 2; ++wi)
 #pragma unroll
-        for (int wi = 0; wi < 2; ++wi)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) c[half][wi][e] = 0.f;
+        for (int e = 0; e < 4; ++e) c[wi][e] = 0.f;
 #pragma unroll
       for (int pl = 0; pl < 4; ++pl) {
         const uint32_t mask = 0x00030003u << (2 * pl);
 #pragma unroll
-        for (int wi = 0; wi < 2; ++wi)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t lo2 = pair_bytes(words[half][wi]), hi2 = lo2 >> 8;
-            if (wide) {
-              const uint32_t llo2 = pair_bytes(lows[half][wi]), lhi2 = llo2 >> 8;
-              mma16816(c[half][wi], a[wi][pl][0], a[wi][pl][1], wide_plane_f16x2(lo2, llo2, mask),
-                       wide_plane_f16x2(hi2, lhi2, mask));
-            } else {
-              mma16816(c[half][wi], a[wi][pl][0], a[wi][pl][1], plane_f16x2(lo2, mask), plane_f16x2(hi2, mask));
-            }
+        for (int wi = 0; wi < 2; ++wi) {
+          const uint32_t lo0 = pair_bytes(words[0][wi]), hi0 = lo0 >> 8;  // token g: k 2j.. | 2j + 8..
+          const uint32_t lo1 = pair_bytes(words[1][wi]), hi1 = lo1 >> 8;  // token g + 8
+          if (wide) {
+            const uint32_t llo0 = pair_bytes(lows[0][wi]), lhi0 = llo0 >> 8;
+            const uint32_t llo1 = pair_bytes(lows[1][wi]), lhi1 = llo1 >> 8;
+            mma16816_full(c[wi], wide_plane_f16x2(lo0, llo0, mask), wide_plane_f16x2(lo1, llo1, mask),
+                          wide_plane_f16x2(hi0, lhi0, mask), wide_plane_f16x2(hi1, lhi1, mask), a[wi][pl][0],
+                          a[wi][pl][1]);
+          } else {
+            mma16816_full(c[wi], plane_f16x2(lo0, mask), plane_f16x2(lo1, mask), plane_f16x2(hi0, mask),
+                          plane_f16x2(hi1, mask), a[wi][pl][0], a[wi][pl][1]);
           }
+        }
       }
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * i + half;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int tok = t0 + 16 * i + 8 * hh + g;
+        bool token_ok = true;
+        if (!whole) {  // branch-free: the split's end and the mask, then causality per row
+          token_ok = tok < hi;
+          if (p.mask != nullptr) token_ok = token_ok & (p.mask[b * p.smask_b + (n_sink + imin(tok, hi - 1)) * p.smask_n] != 0);
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float score = c[half][0][e] + c[half][1][e] + bias;
+          const float score = c[0][2 * hh + e] + c[1][2 * hh + e] + bias[e];
           if (whole) {
-            s[nt][e] = score;
-          } else {  // branch-free: the split's end, causality, the mask
-            const int tok = t0 + 8 * nt + 2 * j + e;
-            bool visible = row_ok & (tok < hi) & (n_sink + tok <= qpos);
-            if (p.mask != nullptr) visible = visible & (p.mask[b * p.smask_b + (n_sink + imin(tok, hi - 1)) * p.smask_n] != 0);
-            s[nt][e] = visible ? score : -INFINITY;
+            s[i][hh][e] = score;
+          } else {
+            const bool visible = token_ok & row_in[e] & (n_sink + tok <= row_pos[e]);
+            s[i][hh][e] = visible ? score : -INFINITY;
           }
         }
       }
     }
-    // online softmax over the tile (exp2: the scores are in log2 units)
-    float tile_max = -INFINITY;
+    // online softmax over the tile (exp2: the scores are in log2 units), each row reduced over the 8 token lanes
+    float m_safe[2], alpha[2];
 #pragma unroll
-    for (int nt = 0; nt < TILE / 8; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[nt][0], s[nt][1]));
-    tile_max = fmaxf(tile_max, shfl_xor(tile_max, 1));
-    tile_max = fmaxf(tile_max, shfl_xor(tile_max, 2));
-    const float m_new = fmaxf(m_i, tile_max);
-    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2_approx(m_i - m_safe);
-    m_i = m_new;
-    l_i *= alpha;
-    min_sum *= alpha;
-    // this lane's accumulator columns are query rows 2j and 2j + 1: their rows' factors
-    const float alpha_lo = shfl_idx(alpha, 8 * j), alpha_hi = shfl_idx(alpha, 8 * j + 4);
+    for (int e = 0; e < 2; ++e) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < TILE / 16; ++i) tile_max = fmaxf(tile_max, fmaxf(s[i][0][e], s[i][1][e]));
+      tile_max = fmaxf(tile_max, shfl_xor(tile_max, 4));
+      tile_max = fmaxf(tile_max, shfl_xor(tile_max, 8));
+      tile_max = fmaxf(tile_max, shfl_xor(tile_max, 16));
+      const float m_new = fmaxf(m_i[e], tile_max);
+      m_safe[e] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[e] = exp2_approx(m_i[e] - m_safe[e]);
+      m_i[e] = m_new;
+      l_i[e] *= alpha[e];
+      min_sum[e] *= alpha[e];
+      off[e] *= alpha[e];
+    }
 #pragma unroll
     for (int odd = 0; odd < 2; ++odd)
 #pragma unroll
       for (int pl = 0; pl < 4; ++pl) {
-        acc[odd][pl][0] *= alpha_lo;
-        acc[odd][pl][1] *= alpha_hi;
-        acc[odd][pl][2] *= alpha_lo;
-        acc[odd][pl][3] *= alpha_hi;
+        acc[odd][pl][0] *= alpha[0];
+        acc[odd][pl][1] *= alpha[1];
+        acc[odd][pl][2] *= alpha[0];
+        acc[odd][pl][3] *= alpha[1];
       }
-    off[0] *= alpha_lo;
-    off[1] *= alpha_hi;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
+      // P' = P times the token's value scale, as Sᵀ's layout (token g or g + 8, rows 2j, 2j + 1) in fp16 pairs;
+      // movmatrix transposes each 8 × 8 half into P'ᵀ's B fragment (rows g, tokens 2j, 2j + 1 | 2j + 8, 2j + 9)
       uint32_t pa[2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * i + half;
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t w = st.vmeta[16 * i + 8 * hh + g];
+        const float scale = f16_bits_to_float(static_cast<uint16_t>(w & 0xFFFFu));
+        const float minimum = f16_bits_to_float(static_cast<uint16_t>(w >> 16));
         float pv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pe = s[nt][e] == -INFINITY ? 0.f : exp2_approx(s[nt][e] - m_safe);
-          l_i += pe;
-          const uint32_t w = st.vmeta[8 * nt + 2 * j + e];
-          const float scale = f16_bits_to_float(static_cast<uint16_t>(w & 0xFFFFu));
-          const float minimum = f16_bits_to_float(static_cast<uint16_t>(w >> 16));
+          const float pe = s[i][hh][e] == -INFINITY ? 0.f : exp2_approx(s[i][hh][e] - m_safe[e]);
+          l_i[e] += pe;
           pv[e] = pe == 0.f ? 0.f : pe * scale;  // a masked token's meta may be anything
-          min_sum += pe == 0.f ? 0.f : pe * minimum;
+          min_sum[e] += pe == 0.f ? 0.f : pe * minimum;
         }
-        pa[half] = pack_f16x2(pv[0], pv[1]);
+        pa[hh] = movmatrix_trans(pack_f16x2(pv[0], pv[1]));
       }
       uint32_t d[4];
       const int n = 16 * i + (lane & 7) + 8 * ((lane >> 3) & 1), part = lane >> 4;
@@ -467,7 +478,7 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
           }
         }
       } else {
-        float off_rows[4] = {off[0], off[1], off[0], off[1]};
+        float off_rows[4] = {off[0], off[1], off[0], off[1]};  // every MMA row alike: rows g and g + 8 agree
         mma16816_full(off_rows, MAGIC, MAGIC, MAGIC, MAGIC, pa[0], pa[1]);
         off[0] = off_rows[0];
         off[1] = off_rows[1];
@@ -488,30 +499,31 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
   }
   cp_async_wait<0>();
 
-  l_i += shfl_xor(l_i, 1);
-  l_i += shfl_xor(l_i, 2);
-  min_sum += shfl_xor(min_sum, 1);
-  min_sum += shfl_xor(min_sum, 2);
-  if (j == 0 && row_ok)
-    p.lse[b * p.sl_b + h * p.sl_h + r * p.sl_m + (p.first_split + split) * p.sl_s] =
-        l_i > 0.f ? (m_i + log2f(l_i)) * 0.6931471805599453f : -INFINITY;
-  // the accumulator's columns: query rows 2j and 2j + 1, whose sums live in lanes 8j and 8j + 4
-  const float l_row[2] = {shfl_idx(l_i, 8 * j), shfl_idx(l_i, 8 * j + 4)};
-  const float min_row[2] = {shfl_idx(min_sum, 8 * j), shfl_idx(min_sum, 8 * j + 4)};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {  // each row's sums over its 8 token lanes
+#pragma unroll
+    for (int m = 4; m < 32; m *= 2) {
+      l_i[e] += shfl_xor(l_i[e], m);
+      min_sum[e] += shfl_xor(min_sum[e], m);
+    }
+  }
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int row = 2 * j + e;
-    if (row >= p.rows) continue;
-    const float inv_l = l_row[e] > 0.f ? 1.f / l_row[e] : 0.f;
+    if (!row_in[e]) continue;
+    if (g == 0)
+      p.lse[b * p.sl_b + h * p.sl_h + row * p.sl_m + (p.first_split + split) * p.sl_s] =
+          l_i[e] > 0.f ? (m_i[e] + log2f(l_i[e])) * 0.6931471805599453f : -INFINITY;
+    const float inv_l = l_i[e] > 0.f ? 1.f / l_i[e] : 0.f;
     float* o = p.o + b * p.so_b + h * p.so_h + row * p.so_m + (p.first_split + split) * p.so_s;
 #pragma unroll
     for (int odd = 0; odd < 2; ++odd)
 #pragma unroll
       for (int pl = 0; pl < 4; ++pl) {
         const float plane = 1.0f / static_cast<float>(1 << (2 * pl));
-        const int channel = 32 * pl + 2 * r + odd;
-        o[channel] = ((acc[odd][pl][e] - off[e]) * plane + min_row[e]) * inv_l;
-        o[channel + 16] = ((acc[odd][pl][2 + e] - off[e]) * plane + min_row[e]) * inv_l;
+        const int channel = 32 * pl + 2 * g + odd;
+        o[channel] = ((acc[odd][pl][e] - off[e]) * plane + min_sum[e]) * inv_l;
+        o[channel + 16] = ((acc[odd][pl][2 + e] - off[e]) * plane + min_sum[e]) * inv_l;
       }
   }
 }
