@@ -37,8 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "bf16-flex", "hf-quantized", "oscar-eager", "oscar-static-eager",
-           "oscar-static", "oscar-static-format5")
-COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5"}
+           "oscar-static", "oscar-static-format5", "oscar-static-cuda")
+COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5", "oscar-static-cuda"}
+# a method named "<oscar method>-cuda": the same with the opt-in CUDA history kernel (OSCAR_HF_DECODE_KERNEL=cuda while
+# its cache is made and its generate calls run, so its graphs capture that kernel); the others keep the process's
+CUDA_SUFFIX = "-cuda"
 BF16 = ("bf16-eager", "bf16-static", "bf16-flex")
 DEADLINE = float("inf")
 
@@ -150,7 +153,31 @@ def fill(cache, model, batch, length, device, chunk=16384):
     return cache
 
 
+@contextlib.contextmanager
+def history_kernel_for(method):
+    """OSCAR_HF_DECODE_KERNEL=cuda for a "-cuda" method, else as the process has it."""
+    from oscar_hf.kernels import cuda_history
+
+    if not (method or "").endswith(CUDA_SUFFIX):
+        yield
+        return
+    saved = os.environ.get(cuda_history.ENV)
+    os.environ[cuda_history.ENV] = "cuda"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cuda_history.ENV)
+        else:
+            os.environ[cuda_history.ENV] = saved
+
+
 def make_cache(method, model, batch, max_len):
+    with history_kernel_for(method):
+        return _make_cache(method.removesuffix(CUDA_SUFFIX), model, batch, max_len)
+
+
+def _make_cache(method, model, batch, max_len):
     from transformers import DynamicCache, QuantizedCache, StaticCache
 
     from oscar_hf import OscarCache, StaticOscarCache
@@ -201,7 +228,7 @@ def generate_once(model, cache, batch, length, new_tokens, compiled, device, pro
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache=cache,
                   attention_mask=torch.ones_like(ids), disable_compile=not compiled, pad_token_id=0)
     sync()
-    with attention_for(model, method):
+    with attention_for(model, method), history_kernel_for(method):
         return _generate_timed(model, ids, kwargs, length, new_tokens, profile)
 
 
@@ -288,8 +315,9 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
                 row[f"{m}_gpu_ms_per_step"] = None
                 skipped[f"{m} (profile)"] = f"{type(e).__name__}: {str(e)[:200]}"
     best_bf16 = max((row.get(f"{m}_tokens_per_s", 0) for m in BF16), default=0)
-    if best_bf16 and row.get("oscar-static_tokens_per_s"):
-        row["oscar-static_vs_best_bf16"] = row["oscar-static_tokens_per_s"] / best_bf16
+    for m in ("oscar-static", "oscar-static-cuda"):
+        if best_bf16 and row.get(f"{m}_tokens_per_s"):
+            row[f"{m}_vs_best_bf16"] = row[f"{m}_tokens_per_s"] / best_bf16
     log(f"generate {arch} L={length} B={batch}: " + ", ".join(
         f"{m} {row[f'{m}_tokens_per_s']:.1f} tok/s ({row[f'{m}_ms_per_step']:.1f} ms/step, GPU "
         f"{row.get(f'{m}_gpu_ms_per_step') or float('nan'):.1f}, roofline {row[f'{m}_roofline_ms']:.1f})"
