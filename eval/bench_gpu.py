@@ -174,6 +174,33 @@ def bench_graph(fn) -> float:
     return bench(fn)
 
 
+def kernel_breakdown(fn, replays: int = 20) -> dict:
+    """Microseconds per call of each CUDA kernel fn() launches, from a CUDA graph of one call replayed under the
+    profiler (what bench_graph's time is made of; the rest is the gaps between kernels). Empty without a GPU."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture (compilation, module loads)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    totals: dict = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / replays
+    del graph
+    return {name[:60]: round(us, 2) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -764,6 +791,11 @@ def section_history(device, quick, copy_bw, points=None, check=True):
                 row[f"cuda_{warps}_us"] = min(row.get(f"cuda_{warps}_us", float("inf")), us)
         DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = default_warps
         row["cuda_us"] = row.get(f"cuda_{default_warps}_us")
+        # where a layer's time goes: each kernel's microseconds (the Triton stage 1, the CUDA history kernel, the
+        # merge), the rest being gaps between them
+        for name in ("triton", "cuda"):
+            row[f"{name}_kernels_us"] = with_kernel(name, lambda: kernel_breakdown(lambda: segment_attention_triton(*args)))
+            log(f"  {name} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in row[f"{name}_kernels_us"].items()))
         best = min(HISTORY_WARPS_PER_SM, key=lambda n: row[f"cuda_{n}_us"])
         row["cuda_best_warps_per_sm"], row["cuda_best_us"] = best, row[f"cuda_{best}_us"]
         for name in ("triton", "cuda_best"):

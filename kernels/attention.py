@@ -613,6 +613,8 @@ def _segment_attention_kernel(
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
+    if SKIP_HISTORY:  # the history splits are the CUDA kernel's: this launch has programs for the others only
+        split = tl.where(split > 0, split + hist_splits, split)
     b = pid_bh // heads
     h = pid_bh % heads
     QD: tl.constexpr = D // 4
@@ -668,7 +670,7 @@ def _segment_attention_kernel(
             sink_k, sink_v, ss_b, ss_h, ss_t, ss_d, b, h, 0, hi, 0,
             mask_ptr, smask_b, smask_n, scale, D, BLOCK_N, HAS_MASK, UPCAST)
     elif split < recent_split:
-        if not SKIP_HISTORY:  # else the CUDA history kernel writes these splits after this launch (cuda_history.py)
+        if not SKIP_HISTORY:  # (never reached with it: the CUDA history kernel writes these splits, cuda_history.py)
             lo = (split - 1) * hist_chunk
             hi = tl.minimum(tl.minimum(lo + hist_chunk, n_hist), max_qpos + 1 - n_sink)
             # The codes are fp16 (see _planes), so are the queries here, pre-scaled (fp16 is 8x finer than bf16; the
@@ -1040,7 +1042,10 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     if history_kernel is not None and target_programs is None:
         # the CUDA kernel: one warp a split, about `cuda_history_warps_per_sm` of them per SM (one wave of long
         # splits; eval/results/gpu/cuda_history_split_sweep_h100.log)
-        target = DEFAULT_LAUNCH["cuda_history_warps_per_sm"] * _sm_count(q.device)
+        # whole splits per (batch, KV head) that keep the warps within the wave: a few warps over it would run as
+        # a second wave alone and nearly double the time (32K x 8: 17 splits a head at 8 warps per SM)
+        per_split = b * h * m_tiles
+        target = per_split * max(1, DEFAULT_LAUNCH["cuda_history_warps_per_sm"] * _sm_count(q.device) // per_split)
     else:
         target = target_programs or target_programs_for(b * h * m_tiles, plan_hist, _sm_count(q.device))
     min_tiles = DEFAULT_LAUNCH["min_split_tiles"]
@@ -1050,7 +1055,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     n_splits = 1 + hist_splits + recent_splits + extra_splits
     partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
     partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)
-    _segment_attention_kernel[(b * h, m_tiles, n_splits)](
+    launched_splits = n_splits - (hist_splits if history_kernel is not None else 0)
+    _segment_attention_kernel[(b * h, m_tiles, launched_splits)](
         q, *q.stride(),
         partial, *partial.stride(),
         partial_lse, *partial_lse.stride(),
