@@ -705,7 +705,7 @@ def section_micro(device, quick, tuned, copy_bw, points=None):
     return rows
 
 
-HISTORY_WARPS_PER_SM = (4, 6, 8, 12)  # the CUDA kernel's split plan, swept by the history section
+HISTORY_WARPS_PER_SM = (None, 6, 8)  # the CUDA kernel's split plan, swept by the history section (None: resident)
 
 
 def section_history(device, quick, copy_bw, points=None, check=True):
@@ -782,30 +782,32 @@ def section_history(device, quick, copy_bw, points=None, check=True):
         row = dict(kind="history_speed", batch=b, length=length, layout=layout, bytes=nbytes,
                    cuda_warps_per_sm=HISTORY_WARPS_PER_SM)
         default_warps = DEFAULT_LAUNCH["cuda_history_warps_per_sm"]
+        label = lambda n: "resident" if n is None else n  # noqa: E731
         for rep in range(2):  # interleaved: triton, cuda at each split plan, again; the best of each
             us = with_kernel("triton", lambda: bench_graph(lambda: segment_attention_triton(*args)))
             row["triton_us"] = min(row.get("triton_us", float("inf")), us)
             for warps in HISTORY_WARPS_PER_SM:
                 DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = warps
                 us = with_kernel("cuda", lambda: bench_graph(lambda: segment_attention_triton(*args)))
-                row[f"cuda_{warps}_us"] = min(row.get(f"cuda_{warps}_us", float("inf")), us)
+                row[f"cuda_{label(warps)}_us"] = min(row.get(f"cuda_{label(warps)}_us", float("inf")), us)
         DEFAULT_LAUNCH["cuda_history_warps_per_sm"] = default_warps
-        row["cuda_us"] = row.get(f"cuda_{default_warps}_us")
+        row["cuda_us"] = row.get(f"cuda_{label(default_warps)}_us")
         # where a layer's time goes: each kernel's microseconds (the Triton stage 1, the CUDA history kernel, the
         # merge), the rest being gaps between them
         for name in ("triton", "cuda"):
             row[f"{name}_kernels_us"] = with_kernel(name, lambda: kernel_breakdown(lambda: segment_attention_triton(*args)))
             log(f"  {name} kernels: " + ", ".join(f"{k} {v:.1f}" for k, v in row[f"{name}_kernels_us"].items()))
-        best = min(HISTORY_WARPS_PER_SM, key=lambda n: row[f"cuda_{n}_us"])
-        row["cuda_best_warps_per_sm"], row["cuda_best_us"] = best, row[f"cuda_{best}_us"]
-        for name in ("triton", "cuda_best"):
+        best = min(HISTORY_WARPS_PER_SM, key=lambda n: row[f"cuda_{label(n)}_us"])
+        row["cuda_best_warps_per_sm"], row["cuda_best_us"] = label(best), row[f"cuda_{label(best)}_us"]
+        for name in ("triton", "cuda", "cuda_best"):
             row[f"{name}_fraction_of_copy_bw"] = nbytes / (row[f"{name}_us"] * 1e-6) / copy_bw
+        row["speedup"] = row["triton_us"] / row["cuda_us"]
         row["speedup_best"] = row["triton_us"] / row["cuda_best_us"]
         log(f"history B={b:2d} L={length:6d} {layout}: triton {row['triton_us']:8.1f} us "
             f"({100 * row['triton_fraction_of_copy_bw']:5.1f}% of copy) | cuda by warps per SM "
-            + " ".join(f"{n}: {row[f'cuda_{n}_us']:.1f}" for n in HISTORY_WARPS_PER_SM)
-            + f" | best {row['cuda_best_us']:.1f} us ({100 * row['cuda_best_fraction_of_copy_bw']:5.1f}%) "
-            f"x{row['speedup_best']:.2f}")
+            + " ".join(f"{label(n)}: {row[f'cuda_{label(n)}_us']:.1f}" for n in HISTORY_WARPS_PER_SM)
+            + f" | default {row['cuda_us']:.1f} us ({100 * row['cuda_fraction_of_copy_bw']:5.1f}%) x{row['speedup']:.2f}"
+            f" | best {row['cuda_best_us']:.1f} us x{row['speedup_best']:.2f}")
         rows.append(row)
         del args
         free()

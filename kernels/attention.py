@@ -862,15 +862,16 @@ _BULK_PREFETCH: dict = {}
 # 628.7 -> 586.9 us, 32K x 32 1,230 -> 1,153, 100K x 16 1,859 -> 1,726, 100K x 8 911.3 -> 879.2 (these keep
 # >= 1,024 tokens a split at 24); 32K x 8 308.0 / 307.2, 8K x 32 304.1 / 310.2, 32K x 4 163.4 / 164.7, 32K x 1
 # 52.5 / 63.1, 100K x 1 126.2 / 152.3 (these would not, and keep 12).
-# `cuda_history_warps_per_sm`: the CUDA history kernel's splits (cuda_history.py), one warp each. H100, format 6,
+# `cuda_history_warps_per_sm`: the CUDA history kernel's splits (cuda_history.py), one warp each; None: as many as
+# an SM keeps resident (`cuda_history.RESIDENT_WARPS_PER_SM`: one wave). Before it kept 12 or 9 (H100, format 6,
 # per layer with the merge, splits of at least 512 / 1,024 / 2,048 / 4,096 tokens (results/gpu/
 # cuda_history_split_sweep_h100.log): 100K x 1 140.9 / 131.6 / 221.5 / 400.1 us, 32K x 8 294.0 / 293.8 / 243.3 /
 # 404.0, 32K x 1 68.1 / 114.9 / 209.5 / 387.5; the best of each is about 6-8 warps per SM in one wave (a warp is slow
-# alone: longer splits on fewer SMs lose). Read off these three points.
+# alone: longer splits on fewer SMs lose), when 8 were resident.
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
                       min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
                       decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024,
-                      cuda_history_warps_per_sm=8)
+                      cuda_history_warps_per_sm=None)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -1045,7 +1046,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
         # whole splits per (batch, KV head) that keep the warps within the wave: a few warps over it would run as
         # a second wave alone and nearly double the time (32K x 8: 17 splits a head at 8 warps per SM)
         per_split = b * h * m_tiles
-        target = per_split * max(1, DEFAULT_LAUNCH["cuda_history_warps_per_sm"] * _sm_count(q.device) // per_split)
+        warps = DEFAULT_LAUNCH["cuda_history_warps_per_sm"] or cuda_history.RESIDENT_WARPS_PER_SM[wide_table is not None]
+        target = per_split * max(1, warps * _sm_count(q.device) // per_split)
     else:
         target = target_programs or target_programs_for(b * h * m_tiles, plan_hist, _sm_count(q.device))
     min_tiles = DEFAULT_LAUNCH["min_split_tiles"]

@@ -29,13 +29,16 @@ PTX = SOURCE.with_suffix(".ptx")
 # the entry points: 2-bit heads only, and layers with wide heads (which also stage the low planes)
 KERNEL_NAMES = {False: b"int2_history_attention", True: b"int2_history_attention_wide"}
 ENV = "OSCAR_HF_DECODE_KERNEL"
-WARPS = 4       # warps per block (int2_history.cu: WARPS)
+WARPS = {False: 4, True: 3}  # warps per block, per entry point (int2_history.cu: WARPS)
 MAX_ROWS = 8    # query rows per KV head (MAX_ROWS)
 HEAD_DIM = 128  # (D)
 _STAGE_BYTES = 64 * 32 * 2 + 64 * 4 + 4 * 128 * 4  # Stage: key and value codes, value meta, key meta rows
 _LOW_BYTES = {False: 2 * 16, True: 2 * 64 * 32}  # Stage: a wide head's low planes (16-byte stubs without)
 # WarpSmem per warp (STAGES = 2), per entry point
-SHARED_BYTES = {wide: WARPS * (2 * (_STAGE_BYTES + low) + 2 * MAX_ROWS * HEAD_DIM * 2) for wide, low in _LOW_BYTES.items()}
+SHARED_BYTES = {wide: WARPS[wide] * (2 * (_STAGE_BYTES + low) + 2 * MAX_ROWS * HEAD_DIM * 2)
+                for wide, low in _LOW_BYTES.items()}
+# warps an SM keeps resident, per entry point (int2_history.cu: BLOCKS_PER_SM blocks, by registers and shared memory)
+RESIDENT_WARPS_PER_SM = {wide: 3 * warps for wide, warps in WARPS.items()}
 
 logger = logging.getLogger(__name__)
 _LOGGED: set = set()
@@ -129,7 +132,7 @@ def history_params(q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_code
 
 def grid(params: HistoryParams) -> int:
     """Blocks of `WARPS` warps, one warp per (batch, KV head, split)."""
-    return -(-params.batch * params.heads * params.splits // WARPS)
+    return -(-params.batch * params.heads * params.splits // WARPS[params.wide_table is not None])
 
 
 # ------------------------------------------------------------------------------------------- the CUDA driver
@@ -181,7 +184,7 @@ def launch(params: HistoryParams, device: torch.device) -> None:
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     with torch.cuda.device(device):  # the launch goes to the current context: the device's primary one
-        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS * 32, 1, 1, SHARED_BYTES[wide], stream,
+        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS[wide] * 32, 1, 1, SHARED_BYTES[wide], stream,
                                         args, None), "cuLaunchKernel")
 
 

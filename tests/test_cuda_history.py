@@ -23,13 +23,14 @@ ENTRY = """
 #include "int2_history.cu"
 extern "C" void launch(unsigned grid, const oscar::Params* p) {
   if (p->wide_table == nullptr)
-    emulate_launch(int2_history_attention, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem<false>), *p);
+    emulate_launch(int2_history_attention, grid, oscar::WARPS<false> * 32,
+                   oscar::WARPS<false> * sizeof(oscar::WarpSmem<false>), *p);
   else
-    emulate_launch(int2_history_attention_wide, grid, oscar::WARPS * 32, oscar::WARPS * sizeof(oscar::WarpSmem<true>),
+    emulate_launch(int2_history_attention_wide, grid, oscar::WARPS<true> * 32, oscar::WARPS<true> * sizeof(oscar::WarpSmem<true>),
                    *p);
 }
 extern "C" size_t shared_bytes(int wide) {
-  return oscar::WARPS * (wide ? sizeof(oscar::WarpSmem<true>) : sizeof(oscar::WarpSmem<false>));
+  return wide ? oscar::WARPS<true> * sizeof(oscar::WarpSmem<true>) : oscar::WARPS<false> * sizeof(oscar::WarpSmem<false>);
 }
 extern "C" size_t params_bytes() { return sizeof(oscar::Params); }
 """

@@ -36,7 +36,10 @@ namespace oscar {
 constexpr int D = 128;
 constexpr int ROW_BYTES = D / 4;  // one packed token row
 constexpr int TILE = 64;          // tokens per staged tile
-constexpr int WARPS = 4;          // warps per block, each its own work item
+// warps per block, each its own work item: 3 blocks an SM either way (4 warps of 16.5 KB of shared memory and <= 168
+// registers; a layer with wide heads stages their low planes too, 24.5 KB a warp, so 3 warps of <= 224 registers)
+template <bool WIDE> constexpr int WARPS = WIDE ? 3 : 4;
+constexpr int BLOCKS_PER_SM = 3;
 constexpr int STAGES = 2;         // tiles in flight per warp
 constexpr int MAX_ROWS = 8;       // query rows per KV head (the MMA's rows 8..15 stay zero)
 constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0 in both fp16 halves
@@ -70,8 +73,15 @@ template <bool WIDE> struct Stage {
 
 template <bool WIDE> struct WarpSmem {
   Stage<WIDE> stage[STAGES];
-  uint16_t q[MAX_ROWS][D];  // fp16 query rows, times the softmax scale and log2(e)
-  uint16_t g[MAX_ROWS][D];  // the same rows gathered by the key slots' pairing (wide key channels)
+  union {
+    struct {
+      uint16_t q[MAX_ROWS][D];  // fp16 query rows, times the softmax scale and log2(e)
+      uint16_t g[MAX_ROWS][D];  // the same rows gathered by the key slots' pairing (wide key channels)
+    } rows;
+    // then, as each lane reads them (conflict-free 16-byte loads): query[p][lane] = its gathered slots of plane p
+    // (words qg[wi][p][e] at 2·wi + e), query[4 + p][lane] the same slots as they are (qq)
+    uint4 query[8][32];
+  };
 };
 
 #ifndef OSCAR_EMULATE
@@ -230,11 +240,10 @@ __device__ __forceinline__ uint32_t issue_tile(Stage<WIDE>& st, const Params& p,
 // The query's B fragments for one key block: slot s of k-step (wi, p) is the gathered query times the slot's scale
 // and 4^-p, as fp16 products (each rounded once, as the float product would be: both factors are fp16 and 4^-p is
 // exact), and the block's bias Σ_c q_c·minimum_c of query rows 2j and 2j + 1, by MMAs of the minima (every row of A
-// alike) against the query. `qg`, `qq`: this lane's query slots (row g), gathered by the wide channels' pairing and
-// as they are.
+// alike) against the query. `query`: the lanes' query slots (row g), gathered by the wide channels' pairing and as
+// they are (WarpSmem::query).
 __device__ __forceinline__ void key_block_fragments(uint32_t (&a)[2][4][2], float (&bias)[2], const uint32_t* kmeta,
-                                                    const uint32_t (&qg)[2][4][2], const uint32_t (&qq)[2][4][2],
-                                                    int j) {
+                                                    const uint4 (&query)[8][32], int lane, int j) {
   constexpr uint32_t PLANE[4] = {0x3C003C00u, 0x34003400u, 0x2C002C00u, 0x24002400u};  // 4^-p in both fp16 halves
   float sums[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -242,7 +251,8 @@ __device__ __forceinline__ void key_block_fragments(uint32_t (&a)[2][4][2], floa
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
       const uint4 w = *reinterpret_cast<const uint4*>(kmeta + 32 * p + 8 * j + 4 * wi);  // (scale, minimum) words
-      uint32_t a0 = hmul2(qg[wi][p][0], low_halves(w.x, w.y)), a1 = hmul2(qg[wi][p][1], low_halves(w.z, w.w));
+      const uint4 qg = query[p][lane], qq = query[4 + p][lane];
+      uint32_t a0 = hmul2(wi ? qg.z : qg.x, low_halves(w.x, w.y)), a1 = hmul2(wi ? qg.w : qg.y, low_halves(w.z, w.w));
       if (p > 0) {
         a0 = hmul2(a0, PLANE[p]);
         a1 = hmul2(a1, PLANE[p]);
@@ -250,7 +260,7 @@ __device__ __forceinline__ void key_block_fragments(uint32_t (&a)[2][4][2], floa
       a[wi][p][0] = a0;
       a[wi][p][1] = a1;
       const uint32_t m01 = high_halves(w.x, w.y), m23 = high_halves(w.z, w.w);
-      mma16816_full(sums[wi], m01, m01, m23, m23, qq[wi][p][0], qq[wi][p][1]);
+      mma16816_full(sums[wi], m01, m01, m23, m23, wi ? qq.z : qq.x, wi ? qq.w : qq.y);
     }
   bias[0] = sums[0][0] + sums[1][0];
   bias[1] = sums[0][1] + sums[1][1];
@@ -259,7 +269,7 @@ __device__ __forceinline__ void key_block_fragments(uint32_t (&a)[2][4][2], floa
 template <bool WIDE> __device__ __forceinline__ void history_attention(const Params& p, uint8_t* shared_bytes) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   WarpSmem<WIDE>& sm = reinterpret_cast<WarpSmem<WIDE>*>(shared_bytes)[warp];
-  const int item = blockIdx.x * WARPS + warp;
+  const int item = blockIdx.x * WARPS<WIDE> + warp;
   if (item >= p.batch * p.heads * p.splits) return;  // whole warps only
   const int bh = item / p.splits, split = item % p.splits;
   const int b = bh / p.heads, h = bh % p.heads;
@@ -286,26 +296,30 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
       uint16_t bits = qb[row * p.sq_m + c];
       x = p.q_bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
     }
-    sm.q[row][c] = float_to_f16_bits(x * p.scale);
+    sm.rows.q[row][c] = float_to_f16_bits(x * p.scale);
   }
   sync_warp();
   const int n_wide = p.channel_table != nullptr ? p.channel_table[h] : 0;
   for (int e = lane; e < MAX_ROWS * D; e += 32) {
     int row = e / D, c = e % D;
-    sm.g[row][c] = sm.q[row][c < D - n_wide ? c : c - (D - n_wide)];
+    sm.rows.g[row][c] = sm.rows.q[row][c < D - n_wide ? c : c - (D - n_wide)];
   }
   sync_warp();
-  uint32_t qg[2][4][2], qq[2][4][2];  // this lane's query slots (row g, the k-steps' slots 32p + 8j + 4wi + 0..3)
+  {  // this lane's query slots (row g; slots 32p + 8j + 4wi + 0..3 of k-step (wi, p)) into WarpSmem::query
+    uint32_t words[8][4];
 #pragma unroll
-  for (int pl = 0; pl < 4; ++pl)
+    for (int pl = 0; pl < 4; ++pl)
 #pragma unroll
-    for (int wi = 0; wi < 2; ++wi)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int slot = 32 * pl + 8 * j + 4 * wi + 2 * e;
-        qg[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.g[g][slot]);
-        qq[wi][pl][e] = *reinterpret_cast<const uint32_t*>(&sm.q[g][slot]);
+      for (int k = 0; k < 4; ++k) {
+        const int slot = 32 * pl + 8 * j + 4 * (k / 2) + 2 * (k % 2);
+        words[pl][k] = *reinterpret_cast<const uint32_t*>(&sm.rows.g[g][slot]);
+        words[4 + pl][k] = *reinterpret_cast<const uint32_t*>(&sm.rows.q[g][slot]);
       }
+    sync_warp();  // every lane has read the rows before they are overwritten
+#pragma unroll
+    for (int k4 = 0; k4 < 8; ++k4) sm.query[k4][lane] = uint4{words[k4][0], words[k4][1], words[k4][2], words[k4][3]};
+    sync_warp();
+  }
 
   float acc[2][4][4];  // [odd][plane]: Oᵀ of channels 32·plane + 2g + odd (c0, c1) and + 16 (c2, c3)
 #pragma unroll
@@ -351,7 +365,7 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     const bool whole = t0 + TILE <= hi && n_sink + t0 + TILE - 1 <= q_start && p.mask == nullptr;
 #pragma unroll
     for (int i = 0; i < TILE / 16; ++i) {
-      if ((starts >> i) & 1u) key_block_fragments(a, bias, st.kmeta[i], qg, qq, j);
+      if ((starts >> i) & 1u) key_block_fragments(a, bias, st.kmeta[i], sm.query, lane, j);
       uint32_t words[2][2], lows[2][2];  // [token g, g + 8][word wi]
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -531,12 +545,13 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
 
 using namespace oscar;
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention(const Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS<false> * 32, BLOCKS_PER_SM) int2_history_attention(const Params p) {
   OSCAR_SHARED_BASE(shared_bytes);
   history_attention<false>(p, shared_bytes);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) int2_history_attention_wide(const Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS<true> * 32, BLOCKS_PER_SM)
+int2_history_attention_wide(const Params p) {
   OSCAR_SHARED_BASE(shared_bytes);
   history_attention<true>(p, shared_bytes);
 }
