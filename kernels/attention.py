@@ -1053,7 +1053,11 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     min_tiles = DEFAULT_LAUNCH["min_split_tiles"]
     hist_splits, hist_chunk, extra_splits, extra_chunk = plan_splits(b * h, m_tiles, plan_hist, n_extra, block_n, target,
                                                                      min_tiles)
-    recent_splits, recent_chunk = recent_split_plan(plan_recent, hist_chunk, block_n)
+    # with the CUDA kernel reading the history, this launch is the sink and the window alone: the window in key tiles,
+    # one program each (a program over a whole history split's worth, 384 tokens, took 22 us at 100K x 1 on an H100,
+    # a quarter of the layer: eval/results/gpu/cuda_history_h100.log)
+    recent_splits, recent_chunk = recent_split_plan(plan_recent, block_n if history_kernel is not None else hist_chunk,
+                                                    block_n)
     n_splits = 1 + hist_splits + recent_splits + extra_splits
     partial = torch.empty(b, h, m, n_splits, d, device=q.device, dtype=torch.float32)
     partial_lse = torch.empty(b, h, m, n_splits, device=q.device, dtype=torch.float32)

@@ -29,7 +29,8 @@ PTX = SOURCE.with_suffix(".ptx")
 # the entry points: 2-bit heads only, and layers with wide heads (which also stage the low planes)
 KERNEL_NAMES = {False: b"int2_history_attention", True: b"int2_history_attention_wide"}
 ENV = "OSCAR_HF_DECODE_KERNEL"
-WARPS = {False: 4, True: 3}  # warps per block, per entry point (int2_history.cu: WARPS)
+WARPS = {False: 4, True: 4}  # warps per block, per entry point (int2_history.cu: WARPS)
+BLOCKS_PER_SM = {False: 3, True: 2}  # (BLOCKS_PER_SM)
 MAX_ROWS = 8    # query rows per KV head (MAX_ROWS)
 HEAD_DIM = 128  # (D)
 _STAGE_BYTES = 64 * 32 * 2 + 64 * 4 + 4 * 128 * 4  # Stage: key and value codes, value meta, key meta rows
@@ -38,7 +39,7 @@ _LOW_BYTES = {False: 2 * 16, True: 2 * 64 * 32}  # Stage: a wide head's low plan
 SHARED_BYTES = {wide: WARPS[wide] * (2 * (_STAGE_BYTES + low) + 2 * MAX_ROWS * HEAD_DIM * 2)
                 for wide, low in _LOW_BYTES.items()}
 # warps an SM keeps resident, per entry point (int2_history.cu: BLOCKS_PER_SM blocks, by registers and shared memory)
-RESIDENT_WARPS_PER_SM = {wide: 3 * warps for wide, warps in WARPS.items()}
+RESIDENT_WARPS_PER_SM = {wide: BLOCKS_PER_SM[wide] * warps for wide, warps in WARPS.items()}
 
 logger = logging.getLogger(__name__)
 _LOGGED: set = set()

@@ -36,10 +36,12 @@ namespace oscar {
 constexpr int D = 128;
 constexpr int ROW_BYTES = D / 4;  // one packed token row
 constexpr int TILE = 64;          // tokens per staged tile
-// warps per block, each its own work item: 3 blocks an SM either way (4 warps of 16.5 KB of shared memory and <= 168
-// registers; a layer with wide heads stages their low planes too, 24.5 KB a warp, so 3 warps of <= 224 registers)
-template <bool WIDE> constexpr int WARPS = WIDE ? 3 : 4;
-constexpr int BLOCKS_PER_SM = 3;
+// warps per block, each its own work item, and blocks an SM: 3 of 4 warps for 2-bit heads (16.5 KB of shared memory
+// and <= 168 registers a warp); a layer with wide heads stages their low planes too, 24.5 KB a warp, and keeps 2
+// blocks of 4 (3 blocks of 3 warps, squeezed to 168 registers, spilled in the tile loop and ran 1.25x slower at 100K
+// x 1 on an H100: eval/results/gpu/cuda_history_h100.log)
+template <bool WIDE> constexpr int WARPS = 4;
+template <bool WIDE> constexpr int BLOCKS_PER_SM = WIDE ? 2 : 3;
 constexpr int STAGES = 2;         // tiles in flight per warp
 constexpr int MAX_ROWS = 8;       // query rows per KV head (the MMA's rows 8..15 stay zero)
 constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0 in both fp16 halves
@@ -545,12 +547,12 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
 
 using namespace oscar;
 
-extern "C" __global__ void __launch_bounds__(WARPS<false> * 32, BLOCKS_PER_SM) int2_history_attention(const Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS<false> * 32, BLOCKS_PER_SM<false>) int2_history_attention(const Params p) {
   OSCAR_SHARED_BASE(shared_bytes);
   history_attention<false>(p, shared_bytes);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS<true> * 32, BLOCKS_PER_SM)
+extern "C" __global__ void __launch_bounds__(WARPS<true> * 32, BLOCKS_PER_SM<true>)
 int2_history_attention_wide(const Params p) {
   OSCAR_SHARED_BASE(shared_bytes);
   history_attention<true>(p, shared_bytes);
