@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "bf16-flex", "hf-quantized", "oscar-eager", "oscar-static-eager",
-           "oscar-static", "oscar-static-format5", "oscar-static-cuda")
-COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5", "oscar-static-cuda"}
-# a method named "<oscar method>-cuda": the same with the opt-in CUDA history kernel (OSCAR_HF_DECODE_KERNEL=cuda while
-# its cache is made and its generate calls run, so its graphs capture that kernel); the others keep the process's
-CUDA_SUFFIX = "-cuda"
+           "oscar-static", "oscar-static-format5", "oscar-static-triton")
+COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5", "oscar-static-triton", "oscar-static-cuda"}
+# a method named "<oscar method>-cuda" or "-triton": the same with OSCAR_HF_DECODE_KERNEL set so while its cache is made
+# and its generate calls run (its graphs capture that kernel); the others keep the process's (by default `auto`)
+KERNEL_SUFFIXES = ("-cuda", "-triton")
 BF16 = ("bf16-eager", "bf16-static", "bf16-flex")
 DEADLINE = float("inf")
 
@@ -155,14 +155,15 @@ def fill(cache, model, batch, length, device, chunk=16384):
 
 @contextlib.contextmanager
 def history_kernel_for(method):
-    """OSCAR_HF_DECODE_KERNEL=cuda for a "-cuda" method, else as the process has it."""
+    """OSCAR_HF_DECODE_KERNEL=cuda for a "-cuda" method, =triton for a "-triton" one, else as the process has it."""
     from oscar_hf.kernels import cuda_history
 
-    if not (method or "").endswith(CUDA_SUFFIX):
+    suffix = next((x for x in KERNEL_SUFFIXES if (method or "").endswith(x)), None)
+    if suffix is None:
         yield
         return
     saved = os.environ.get(cuda_history.ENV)
-    os.environ[cuda_history.ENV] = "cuda"
+    os.environ[cuda_history.ENV] = suffix[1:]
     try:
         yield
     finally:
@@ -174,7 +175,9 @@ def history_kernel_for(method):
 
 def make_cache(method, model, batch, max_len):
     with history_kernel_for(method):
-        return _make_cache(method.removesuffix(CUDA_SUFFIX), model, batch, max_len)
+        for suffix in KERNEL_SUFFIXES:
+            method = method.removesuffix(suffix)
+        return _make_cache(method, model, batch, max_len)
 
 
 def _make_cache(method, model, batch, max_len):
@@ -315,7 +318,7 @@ def measure_point(model, arch, length, batch, methods, new_tokens, rounds, devic
                 row[f"{m}_gpu_ms_per_step"] = None
                 skipped[f"{m} (profile)"] = f"{type(e).__name__}: {str(e)[:200]}"
     best_bf16 = max((row.get(f"{m}_tokens_per_s", 0) for m in BF16), default=0)
-    for m in ("oscar-static", "oscar-static-cuda"):
+    for m in ("oscar-static", "oscar-static-triton", "oscar-static-cuda"):
         if best_bf16 and row.get(f"{m}_tokens_per_s"):
             row[f"{m}_vs_best_bf16"] = row[f"{m}_tokens_per_s"] / best_bf16
     log(f"generate {arch} L={length} B={batch}: " + ", ".join(

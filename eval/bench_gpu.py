@@ -10,7 +10,7 @@ Sections (results go to DIR/bench_gpu.json after each section, a summary table i
   tune    a small sweep of the decode kernel's launch parameters; the best is used below
   micro   decode attention per layer (Qwen3-8B geometry: 32 query / 8 KV heads, head_dim 128) at 4K-128K tokens,
           batch 1/8/32: time, bytes it must read, achieved bandwidth vs the measured copy bandwidth, vs BF16 sdpa
-  history the CUDA history kernel (opt-in, OSCAR_HF_DECODE_KERNEL=cuda) against its twin, then against the Triton
+  history the CUDA history kernel (OSCAR_HF_DECODE_KERNEL=cuda) against its twin, then against the Triton
           kernel per layer, interleaved (points: --micro-points)
   quant   the demotion (64 tokens per layer, every 64 steps) and prefill quantization cost
   memory  KV bytes really allocated (CUDA allocator) and bits per element at 32K and 128K

@@ -862,6 +862,9 @@ _BULK_PREFETCH: dict = {}
 # 628.7 -> 586.9 us, 32K x 32 1,230 -> 1,153, 100K x 16 1,859 -> 1,726, 100K x 8 911.3 -> 879.2 (these keep
 # >= 1,024 tokens a split at 24); 32K x 8 308.0 / 307.2, 8K x 32 304.1 / 310.2, 32K x 4 163.4 / 164.7, 32K x 1
 # 52.5 / 63.1, 100K x 1 126.2 / 152.3 (these would not, and keep 12).
+# `cuda_history_min_tokens`: under OSCAR_HF_DECODE_KERNEL=auto (the default), the history (as planned: a static
+# cache's capacity) from which the CUDA history kernel reads it. H100, format 6, per layer against the Triton kernel
+# alone (results/gpu/cuda_history_h100.log): 4K x 1 0.76x (its extra launch), 8K x 1 1.06x, 32K x 1 1.57x.
 # `cuda_history_warps_per_sm`: the CUDA history kernel's splits (cuda_history.py), one warp each; None: as many as
 # an SM keeps resident (`cuda_history.RESIDENT_WARPS_PER_SM`: one wave). Before it kept 12 or 9 (H100, format 6,
 # per layer with the merge, splits of at least 512 / 1,024 / 2,048 / 4,096 tokens (results/gpu/
@@ -871,7 +874,7 @@ _BULK_PREFETCH: dict = {}
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
                       min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
                       decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024,
-                      cuda_history_warps_per_sm=None)
+                      cuda_history_warps_per_sm=None, cuda_history_min_tokens=8192)
 # launch parameters for a whole process (JSON, e.g. '{"l2_ahead": 4}'): experiments without editing this file
 DEFAULT_LAUNCH.update(json.loads(os.environ.get("OSCAR_HF_DECODE_LAUNCH", "{}")))
 
@@ -965,7 +968,8 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     """Stage 1 (Triton, every split; or every split but the INT2 history's, which the CUDA history kernel then
     writes) and the merge. `history_kernel`: a function `(params: cuda_history.HistoryParams) -> None` that runs the
     CUDA history kernel on these tensors (the tests' CPU emulation), or None: the CUDA driver's launch where
-    `OSCAR_HF_DECODE_KERNEL=cuda` asks for it and it covers the layout (`cuda_history.history_kernel_problem`)."""
+    `OSCAR_HF_DECODE_KERNEL` lets it take the launch (`cuda_history.wanted`: by default from
+    `cuda_history_min_tokens` of history) and it covers the layout (`cuda_history.history_kernel_problem`)."""
     b, h, m, d = q.shape
     key_chunk = int(key_chunk)
     key_blocks = tuple(int(bk) for bk in key_blocks) if key_chunk else ()
@@ -1030,15 +1034,14 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
-    asked = history_kernel is not None  # a caller's runner (the CPU emulation) must be covered; the opt-in may not
+    asked = history_kernel is not None  # a caller's runner (the CPU emulation) must be covered; `cuda` need not be
     if asked or (cuda_history.requested() and q.device.type == "cuda"):
         problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
                                                       key_chunk, groups, wide_table, meta_words)
         if problem is not None and asked:
             raise ValueError(f"the CUDA history kernel does not cover this launch: {problem}")
-        if problem is not None:
-            cuda_history.log_fallback(problem)
-        elif not asked:
+        if not asked and cuda_history.wanted(problem, plan_hist, DEFAULT_LAUNCH["cuda_history_min_tokens"]) \
+                and cuda_history.available(q.device, wide_table is not None):
             history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
     if history_kernel is not None and target_programs is None:
         # the CUDA kernel: one warp a split, about `cuda_history_warps_per_sm` of them per SM (one wave of long

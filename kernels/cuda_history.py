@@ -1,6 +1,7 @@
-"""The CUDA history kernel (`cuda/int2_history.cu`): an opt-in replacement for the Triton kernel's INT2 history
-splits in decode attention. Set `OSCAR_HF_DECODE_KERNEL=cuda` to use it where it applies; the Triton kernel stays
-the default and runs everything it does not cover.
+"""The CUDA history kernel (`cuda/int2_history.cu`): it reads the INT2 history splits of decode attention in place of
+the Triton kernel. `OSCAR_HF_DECODE_KERNEL` picks: `auto` (the default: on CUDA, wherever it covers the layout and
+the history is planned at `cuda_history_min_tokens` or more, kernels/attention.py), `cuda` (wherever it covers the
+layout), `triton` (never). The Triton kernel runs everything else.
 
 - It ships as PTX built from `cuda/int2_history.cu` (`python -m oscar_hf.kernels.cuda_history --build`, which needs
   `nvcc`); the driver compiles the PTX for the GPU when it is first loaded, so a user's machine needs no compiler.
@@ -18,6 +19,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,7 @@ PTX = SOURCE.with_suffix(".ptx")
 # the entry points: 2-bit heads only, and layers with wide heads (which also stage the low planes)
 KERNEL_NAMES = {False: b"int2_history_attention", True: b"int2_history_attention_wide"}
 ENV = "OSCAR_HF_DECODE_KERNEL"
+PTX_ISA = "7.8"  # the PTX ISA version the shipped PTX declares: the oldest with every instruction it uses
 WARPS = {False: 4, True: 4}  # warps per block, per entry point (int2_history.cu: WARPS)
 BLOCKS_PER_SM = {False: 3, True: 2}  # (BLOCKS_PER_SM)
 MAX_ROWS = 8    # query rows per KV head (MAX_ROWS)
@@ -68,12 +71,43 @@ class HistoryParams(ctypes.Structure):
     ]
 
 
+def mode() -> str:
+    """`OSCAR_HF_DECODE_KERNEL`: "auto" (unset), "cuda" or "triton"."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in ("auto", "cuda", "triton"):
+        raise ValueError(f"{ENV}={value!r}: expected 'auto' (the default), 'cuda' or 'triton'")
+    return value
+
+
 def requested() -> bool:
-    """Whether the process asked for the CUDA history kernel (`OSCAR_HF_DECODE_KERNEL=cuda`)."""
-    value = os.environ.get(ENV, "triton").strip().lower()
-    if value not in ("triton", "cuda"):
-        raise ValueError(f"{ENV}={value!r}: expected 'triton' (the default) or 'cuda'")
-    return value == "cuda"
+    """Whether the process may use the CUDA history kernel (`auto` or `cuda`)."""
+    return mode() != "triton"
+
+
+def wanted(problem: str | None, planned_history: int, min_tokens: int) -> bool:
+    """Whether a launch on a CUDA device should take the kernel, by `OSCAR_HF_DECODE_KERNEL`: never under `triton`;
+    under `cuda` wherever it covers the layout (`problem` None); under `auto` where it also has `min_tokens` or more
+    of history to read (below that, its extra launch costs more than it saves). A layout it does not cover is logged
+    once."""
+    if mode() == "triton":
+        return False
+    if problem is not None:
+        log_fallback(problem)
+        return False
+    return mode() == "cuda" or planned_history >= min_tokens
+
+
+def available(device: torch.device, wide: bool) -> bool:
+    """Whether the kernel's module loads on `device` (`load`). Under `auto` a failure (a driver too old for the PTX,
+    say) is logged once and leaves the Triton kernel; asked for by `cuda`, it raises."""
+    try:
+        load(device, wide)
+        return True
+    except RuntimeError as e:
+        if mode() == "cuda":
+            raise
+        log_fallback(f"its module does not load here ({e})")
+        return False
 
 
 def history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_chunk: int, groups: int,
@@ -106,10 +140,12 @@ def history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta
 
 
 def log_fallback(problem: str) -> None:
-    """One log line per reason, the first time a requested launch falls back to the Triton kernel."""
+    """One log line per reason, the first time a launch it could take falls back to the Triton kernel (a warning where
+    `cuda` asked for it)."""
     if problem not in _LOGGED:
         _LOGGED.add(problem)
-        logger.warning("%s=cuda: the Triton kernel reads this history: %s", ENV, problem)
+        level = logging.WARNING if mode() == "cuda" else logging.INFO
+        logger.log(level, "%s=%s: the Triton kernel reads this history: %s", ENV, mode(), problem)
 
 
 def history_params(q, partial, partial_lse, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_table,
@@ -161,21 +197,31 @@ def load(device: torch.device, wide: bool):
     context on `device`, cached per device: a layer loads it with its buffers (`ops.make_kernel_tables`), before any
     CUDA-graph capture."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if isinstance(_FUNCTIONS.get((index, wide)), RuntimeError):
+        raise _FUNCTIONS[index, wide]
     if (index, wide) not in _FUNCTIONS:
-        if not PTX.is_file():
-            raise RuntimeError(f"{PTX} is missing: build it with `python -m oscar_hf.kernels.cuda_history --build`")
-        with torch.cuda.device(index):
-            torch.cuda.init()
-            torch.empty(1, device=f"cuda:{index}")  # makes torch's primary context current on this thread
-            cu = _driver()
-            module, function = ctypes.c_void_p(), ctypes.c_void_p()
-            image = PTX.read_bytes() + b"\0"
-            _check(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData (PTX JIT)")
-            _check(cu.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAMES[wide]), "cuModuleGetFunction")
-            _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                         SHARED_BYTES[wide]), "cuFuncSetAttribute (shared memory)")
-        _FUNCTIONS[index, wide] = (module, function)
+        try:
+            _FUNCTIONS[index, wide] = _load_module(index, wide)
+        except RuntimeError as e:  # remembered: the next launch falls back without another driver call
+            _FUNCTIONS[index, wide] = e
+            raise
     return _FUNCTIONS[index, wide][1]
+
+
+def _load_module(index: int, wide: bool):
+    if not PTX.is_file():
+        raise RuntimeError(f"{PTX} is missing: build it with `python -m oscar_hf.kernels.cuda_history --build`")
+    with torch.cuda.device(index):
+        torch.cuda.init()
+        torch.empty(1, device=f"cuda:{index}")  # makes torch's primary context current on this thread
+        cu = _driver()
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        image = PTX.read_bytes() + b"\0"
+        _check(cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image)), "cuModuleLoadData (PTX JIT)")
+        _check(cu.cuModuleGetFunction(ctypes.byref(function), module, KERNEL_NAMES[wide]), "cuModuleGetFunction")
+        _check(cu.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                     SHARED_BYTES[wide]), "cuFuncSetAttribute (shared memory)")
+    return module, function
 
 
 def launch(params: HistoryParams, device: torch.device) -> None:
@@ -199,6 +245,11 @@ def build(nvcc: str = "nvcc") -> Path:
     hand). The one command: `python -m oscar_hf.kernels.cuda_history --build`."""
     out = subprocess.run([nvcc, "-ptx", "-O3", "-arch=compute_80", "-std=c++17", str(SOURCE), "-o", "-"],
                          check=True, capture_output=True, text=True).stdout
+    # nvcc writes its own PTX ISA version (9.0 for CUDA 13), which drivers older than it cannot compile; the source
+    # needs 7.8 (movmatrix; CUDA 11.8 drivers), and ptxas checks each feature against the version declared
+    out, n = re.subn(r"^\.version \d+\.\d+$", f".version {PTX_ISA}", out, count=1, flags=re.M)
+    if n != 1:
+        raise RuntimeError("nvcc's PTX has no .version line to set")
     PTX.write_text(f"// built from int2_history.cu, sha256 {source_hash()}, by {nvcc_version(nvcc)}\n" + out)
     return PTX
 

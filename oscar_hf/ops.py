@@ -94,13 +94,13 @@ def make_kernel_tables(fmt: LayerFormat, device: torch.device) -> None:
     now: a layer calls this when it allocates its buffers, so that the first launch is never the one that makes them.
     Inside a compiled forward's CUDA graphs that first launch would put them in the graphs' memory pool, which
     cudagraph trees refuse ('tensor(s) in the cudagraph pool not tracked as outputs') and a later replay reuses.
-    Where `OSCAR_HF_DECODE_KERNEL=cuda` asks for the CUDA history kernel, its module is loaded now too, for the same
-    reason."""
+    Unless `OSCAR_HF_DECODE_KERNEL=triton` rules it out, the CUDA history kernel's module is loaded now too, for the
+    same reason."""
     from .kernels import cuda_history
     from .kernels.quantize import key_block_table, wide_channel_table, wide_row_table
 
     if device.type == "cuda" and cuda_history.requested():
-        cuda_history.load(device, wide=bool(_kernel_layout(fmt.keys)[2]))
+        cuda_history.available(device, wide=bool(_kernel_layout(fmt.keys)[2]))
     for stream in (fmt.keys, fmt.values):
         blocks, chunk, wide_rows, wide_channels = _kernel_layout(stream)
         wide_row_table(wide_rows, stream.heads, device)

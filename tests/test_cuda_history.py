@@ -153,13 +153,19 @@ def test_layouts_it_does_not_cover_are_named():
     assert "aligned 32-bit words" in cuda_history.history_kernel_problem(q, *base, 128, 1, None, False)
 
 
-def test_the_opt_in_is_checked(monkeypatch):
+def test_the_kernel_choice_follows_the_environment(monkeypatch):
+    """OSCAR_HF_DECODE_KERNEL: `auto` (unset) takes the CUDA kernel for covered layouts from `min_tokens` of history,
+    `cuda` for every covered layout, `triton` never; anything else is refused."""
     monkeypatch.delenv(cuda_history.ENV, raising=False)
-    assert not cuda_history.requested()
+    assert cuda_history.mode() == "auto" and cuda_history.requested()
+    assert cuda_history.wanted(None, 8192, 8192) and not cuda_history.wanted(None, 8191, 8192)
+    assert not cuda_history.wanted("head_dim 64", 100_000, 8192)
     monkeypatch.setenv(cuda_history.ENV, "cuda")
-    assert cuda_history.requested()
+    assert cuda_history.wanted(None, 16, 8192) and not cuda_history.wanted("head_dim 64", 100_000, 8192)
+    monkeypatch.setenv(cuda_history.ENV, "Triton")
+    assert not cuda_history.requested() and not cuda_history.wanted(None, 100_000, 8192)
     monkeypatch.setenv(cuda_history.ENV, "cuda-graphs")
-    with pytest.raises(ValueError, match="expected 'triton'"):
+    with pytest.raises(ValueError, match="expected 'auto'"):
         cuda_history.requested()
 
 
@@ -169,3 +175,5 @@ def test_the_shipped_ptx_is_built_from_the_source():
     text = cuda_history.PTX.read_text()
     assert ".entry int2_history_attention" in text
     assert cuda_history.source_hash() in text
+    # the PTX ISA version drivers back to CUDA 11.8 compile (`build` sets it; ptxas checks each feature against it)
+    assert f"\n.version {cuda_history.PTX_ISA}\n" in text
