@@ -131,6 +131,13 @@ def oscar_attention_forward(
     """`AttentionInterface` entry point. Returns `([B, T, Hq, d], None)` like transformers' sdpa."""
     view = kwargs.pop(VIEW_KWARG, None)
     if view is None:
+        packed = kwargs.get("cu_seq_lens_q")
+        if attention_mask is None and packed is not None and packed.shape[0] > 2:
+            # sdpa has no notion of packed sequences: without a mask it would attend across them (continuous
+            # batching's paged cache, reached past transformers' attention-name check, calls it so)
+            raise ValueError("the 'oscar' attention got several packed sequences (cu_seq_lens_q) without an attention "
+                             "mask, which sdpa would attend across: continuous batching (generate_batch, transformers "
+                             "serve) is not supported by oscar-hf yet")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise ValueError("the OSCAR attention does not support attention-logit soft-capping")

@@ -343,6 +343,7 @@ def test_views_travel_only_in_the_attention_kwargs():
     step = {}
     cache.update(k[:, :, :1], k[:, :, :1], 0, kwargs=step)
     assert isinstance(step[VIEW_KWARG], DecodeView) and step[VIEW_KWARG].chunk_length == 1
+
     plain = tiny_model("llama", attn="sdpa")
     sdpa_cache = OscarCache(plain, OscarRotations.data_free(plain, "hadamard"), OscarConfig(value_clip="none", **SMALL))
     plain(input_ids=torch.randint(3, VOCAB, (1, 20), generator=g), cache=sdpa_cache)
@@ -364,3 +365,26 @@ def test_long_chunks_in_query_blocks_equal_one_block(monkeypatch):
         model(input_ids=ids[:, :30], cache=cache)
         logits.append(model(input_ids=ids[:, 30:], cache=cache).logits)  # 40 queries: 3 blocks of 16
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_sequences_without_a_mask_are_refused():
+    """Several sequences packed into one row (`cu_seq_lens_q`, as continuous batching's paged cache passes them) with
+    no mask would be one sequence to sdpa: refused. One sequence, or packed ones with their mask, are plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from oscar_hf.attention import oscar_attention_forward
+
+    attn = tiny_model("llama").model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+    two = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences"):
+        oscar_attention_forward(attn, q, k, k, None, cu_seq_lens_q=two, cu_seq_lens_k=two)
+    one = torch.tensor([0, 5], dtype=torch.int32)
+    out, _ = oscar_attention_forward(attn, q, k, k, None, cu_seq_lens_q=one, cu_seq_lens_k=one)
+    assert torch.equal(out, sdpa_attention_forward(attn, q, k, k, None)[0])
+    block = torch.zeros(1, 1, 5, 5, dtype=torch.bool)
+    block[..., :2, :2] = block[..., 2:, 2:] = True
+    block &= torch.ones(5, 5, dtype=torch.bool).tril()
+    out, _ = oscar_attention_forward(attn, q, k, k, block, cu_seq_lens_q=two, cu_seq_lens_k=two)
+    assert torch.equal(out, sdpa_attention_forward(attn, q, k, k, block)[0])
