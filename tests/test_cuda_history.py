@@ -177,3 +177,24 @@ def test_the_shipped_ptx_is_built_from_the_source():
     assert cuda_history.source_hash() in text
     # the PTX ISA version drivers back to CUDA 11.8 compile (`build` sets it; ptxas checks each feature against it)
     assert f"\n.version {cuda_history.PTX_ISA}\n" in text
+
+
+def test_a_module_that_does_not_load_leaves_the_triton_kernel_under_auto(monkeypatch):
+    """A driver that cannot load the PTX (too old for its ISA, say): under `auto` the launcher is told the kernel is not
+    available, once per device and entry point (the failure is remembered, not retried per launch); asked for by
+    `cuda`, the failure raises."""
+    calls = []
+
+    def refuse(index, wide):
+        calls.append((index, wide))
+        raise RuntimeError("CUDA history kernel: cuModuleLoadData (PTX JIT) failed with CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+
+    monkeypatch.setattr(cuda_history, "_load_module", refuse)
+    monkeypatch.setattr(cuda_history, "_FUNCTIONS", {})
+    device = torch.device("cuda", 0)
+    monkeypatch.delenv(cuda_history.ENV, raising=False)
+    assert not cuda_history.available(device, False) and not cuda_history.available(device, False)
+    assert calls == [(0, False)]
+    monkeypatch.setenv(cuda_history.ENV, "cuda")
+    with pytest.raises(RuntimeError, match="UNSUPPORTED_PTX_VERSION"):
+        cuda_history.available(device, False)
