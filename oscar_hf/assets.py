@@ -175,6 +175,22 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def resolve_pretrained(pretrained):
+    """`pretrained` as `from_pretrained` takes it: a model installed from PyPI (`smollm2-135m` or
+    `offline:smollm2-135m`, as every oscar-hf command resolves it) becomes its local folder; anything else (a
+    folder, a Hub id, a model object) is returned unchanged."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    name = pretrained[len("offline:"):] if pretrained.startswith("offline:") else None
+    if name is None and pretrained in OFFLINE_MODELS and not Path(pretrained).exists():
+        name = pretrained
+    if name is None:
+        return pretrained
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
+    return str(model_path(name))
+
+
 def _assemble(spec, wheels: list[Path], name: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         tmp = Path(tmp)

@@ -53,30 +53,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
+from .. import assets
 from ..metrics import cache_kwarg
 from ..rotations_io import OscarRotations
 from .methods import Windows, get_method
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 logger = logging.getLogger("lm_eval.oscar")  # lm-eval's command line shows its "lm_eval" loggers
-
-
-def resolve_pretrained(pretrained):
-    """`pretrained` as `from_pretrained` takes it: a model installed from PyPI (`smollm2-135m` or
-    `offline:smollm2-135m`, as every oscar-hf command resolves it) becomes its local folder; anything else (a
-    folder, a Hub id, a model object) is returned unchanged."""
-    if not isinstance(pretrained, str):
-        return pretrained
-    from ..assets import OFFLINE_MODELS, model_path
-
-    name = pretrained[len("offline:"):] if pretrained.startswith("offline:") else None
-    if name is None and pretrained in OFFLINE_MODELS and not Path(pretrained).exists():
-        name = pretrained
-    if name is None:
-        return pretrained
-    if name not in OFFLINE_MODELS:
-        raise ValueError(f"unknown offline model {name!r}; available: {', '.join(OFFLINE_MODELS)}")
-    return str(model_path(name))
 
 
 def quantized_tokens(cache) -> int:
@@ -106,7 +89,7 @@ class OscarLM(HFLM):
 
     def __init__(self, pretrained="offline:smollm2-135m", method: str = "oscar", rotations=None, sink: int = 64,
                  window: int = 256, residual: int = 128, score_chunk: int = 128, **kwargs):
-        pretrained = resolve_pretrained(pretrained)
+        pretrained = assets.resolve_pretrained(pretrained)
         if isinstance(pretrained, str):
             import oscar_hf  # noqa: F401  (registers the "oscar" attention)
 
@@ -287,10 +270,10 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 def resolve_model_args(argv: list[str]) -> list[str]:
     """`argv` with `pretrained=NAME` of `--model_args` (any `--model`, `hf` included) resolved by
-    `resolve_pretrained`: a model installed from PyPI becomes its local folder, so lm-eval never asks the Hub."""
+    `assets.resolve_pretrained`: a model installed from PyPI becomes its local folder, so lm-eval never asks the Hub."""
 
     def resolve(match):
-        return f"{match.group(1)}{resolve_pretrained(match.group(2))}"
+        return f"{match.group(1)}{assets.resolve_pretrained(match.group(2))}"
 
     out, in_args = [], False
     for arg in argv:

@@ -212,7 +212,7 @@ def _no_download(*args, **kwargs) -> bool:
 def build_dataset(task_name: str, metadata: dict):
     """lm-eval's RULER dataset (`{"test": datasets.Dataset}`) for `task_name`, built offline from `metadata` (the
     task's lm-eval metadata: `max_seq_lengths`, `pretrained`/`tokenizer`, optionally `haystack_file`)."""
-    from .lm_eval_model import resolve_pretrained
+    from ..assets import resolve_pretrained
 
     task = OFFLINE_TASKS[task_name]
     metadata = dict(metadata)
