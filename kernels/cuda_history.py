@@ -126,6 +126,8 @@ def history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta
         return "(scale, minimum) pairs that are not aligned 32-bit words"
     if q.stride(-1) != 1 or q.dtype not in (torch.bfloat16, torch.float16):
         return f"queries of dtype {q.dtype} or channel stride {q.stride(-1)}"
+    if q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:3]):  # read in 16-byte pieces
+        return "query rows that are not 16-byte aligned"
     for name, t in (("key codes", hist_codes_k), ("value codes", hist_codes_v)):
         if t.stride(-1) != 1 or t.shape[-1] != d // 4 or t.stride(-2) % 16 or t.data_ptr() % 16:
             return f"{name} whose packed rows are not 16-byte aligned and contiguous"

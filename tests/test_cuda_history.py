@@ -151,6 +151,8 @@ def test_layouts_it_does_not_cover_are_named():
     assert "value groups" in cuda_history.history_kernel_problem(q, *base, 128, 2, None, True)
     assert "12 query rows" in cuda_history.history_kernel_problem(q.repeat(1, 1, 3, 1), *base, 128, 1, None, True)
     assert "aligned 32-bit words" in cuda_history.history_kernel_problem(q, *base, 128, 1, None, False)
+    shifted = torch.zeros(*q.shape[:3], 129, dtype=q.dtype)[..., 1:]  # rows 258 bytes apart, read in 16-byte pieces
+    assert "16-byte aligned" in cuda_history.history_kernel_problem(shifted, *base, 128, 1, None, True)
 
 
 def test_the_kernel_choice_follows_the_environment(monkeypatch):

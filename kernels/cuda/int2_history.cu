@@ -289,16 +289,41 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
   const int wide_row = WIDE ? p.wide_table[h] : -1;
   const bool wide = WIDE && wide_row >= 0;  // uniform over the warp
 
-  // the query rows, pre-scaled as the Triton kernel does (fp16), and gathered by the slots' pairing
+  // the first tile is asked for before the query is set up, so that its copy's latency overlaps that work (a short
+  // split has few tiles to hide it behind)
+  static_assert(STAGES == 2, "one staged tile ahead: `pending` holds its fragment bits");
+  KeyBlockCursor cursor;
+  cursor.start(lo, p.key_chunk, p.key_table[2 * h], p.key_table[2 * h + 1]);
+  const int n_tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+  uint32_t pending = 0;  // the staged tile's subtiles that start a key block
+  if (n_tiles > 0) pending = issue_tile<WIDE>(sm.stage[0], p, b, h, lo, hi, lane, wide_row, cursor, true);
+  cp_async_commit();
+
+  // the query rows, pre-scaled as the Triton kernel does (fp16), and gathered by the slots' pairing. Each lane reads
+  // 4 pieces of 8 channels (row 2i + lane/16, piece lane % 16), all in flight at once: one round trip, where a load
+  // per channel took one per unrolled step of the loop
   const uint16_t* qb = p.q + b * p.sq_b + h * p.sq_h;
-  for (int e = lane; e < MAX_ROWS * D; e += 32) {
-    int row = e / D, c = e % D;
-    float x = 0.f;
-    if (row < p.rows) {
-      uint16_t bits = qb[row * p.sq_m + c];
-      x = p.q_bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits);
+  uint4 pieces[MAX_ROWS * D / 8 / 32];
+#pragma unroll
+  for (int i = 0; i < MAX_ROWS * D / 8 / 32; ++i) {
+    const int row = 2 * i + lane / 16;
+    pieces[i] = row < p.rows ? *reinterpret_cast<const uint4*>(qb + row * p.sq_m + 8 * (lane % 16)) : uint4{0, 0, 0, 0};
+  }
+#pragma unroll
+  for (int i = 0; i < MAX_ROWS * D / 8 / 32; ++i) {
+    const uint32_t in[4] = {pieces[i].x, pieces[i].y, pieces[i].z, pieces[i].w};
+    uint32_t out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float x[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint16_t bits = static_cast<uint16_t>(in[w] >> (16 * e));
+        x[e] = (p.q_bf16 ? bf16_bits_to_float(bits) : f16_bits_to_float(bits)) * p.scale;
+      }
+      out[w] = pack_f16x2(x[0], x[1]);
     }
-    sm.rows.q[row][c] = float_to_f16_bits(x * p.scale);
+    *reinterpret_cast<uint4*>(&sm.rows.q[2 * i + lane / 16][8 * (lane % 16)]) = uint4{out[0], out[1], out[2], out[3]};
   }
   sync_warp();
   const int n_wide = p.channel_table != nullptr ? p.channel_table[h] : 0;
@@ -343,13 +368,6 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
     row_pos[e] = q_start + (2 * j + e) % T;
   }
 
-  static_assert(STAGES == 2, "one staged tile ahead: `pending` holds its fragment bits");
-  KeyBlockCursor cursor;
-  cursor.start(lo, p.key_chunk, p.key_table[2 * h], p.key_table[2 * h + 1]);
-  const int n_tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
-  uint32_t pending = 0;  // the staged tile's subtiles that start a key block
-  if (n_tiles > 0) pending = issue_tile<WIDE>(sm.stage[0], p, b, h, lo, hi, lane, wide_row, cursor, true);
-  cp_async_commit();
   for (int tt = 0; tt < n_tiles; ++tt) {
     const int ahead = tt + 1;
     const uint32_t starts = pending;
