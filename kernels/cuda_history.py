@@ -233,8 +233,8 @@ def launch(params: HistoryParams, device: torch.device) -> None:
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
     with torch.cuda.device(device):  # the launch goes to the current context: the device's primary one
-        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS[wide] * 32, 1, 1, SHARED_BYTES[wide], stream,
-                                        args, None), "cuLaunchKernel")
+        _check(_driver().cuLaunchKernel(function, grid(params), 1, 1, WARPS[wide] * 32, 1, 1, SHARED_BYTES[wide],
+                                        stream, args, None), "cuLaunchKernel")
 
 
 def source_hash() -> str:

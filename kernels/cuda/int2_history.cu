@@ -8,8 +8,9 @@
 // values with one (scale, minimum) per token, wide heads (4-bit codes kept as a high plane in the head's row and a low
 // plane in a row after the layer's heads, under a scale stored as 4·s: `int2_history_attention_wide` stages both and
 // reads each code as (h + l/4)·4^p, exact in fp16), at most 8 query rows per KV head, sm_80+ instructions
-// (mma.sync m16n8k16, ldmatrix, cp.async). Built to PTX by `python -m oscar_hf.kernels.cuda_history --build`;
-// tests/cuda_emulation.h runs this same file on the CPU, 32 threads per warp in lockstep at each warp-wide op.
+// (mma.sync m16n8k16, ldmatrix, movmatrix, cp.async). Built to PTX by
+// `python -m oscar_hf.kernels.cuda_history --build`; tests/cuda_emulation.h runs this same file on the CPU, 32 threads
+// per warp in lockstep at each warp-wide op.
 //
 // Fragments (PTX ISA, mma.m16n8k16 with f16 operands; lane = 4·g + j):
 //   scores, transposed: Sᵀ[n][r] = Σ_k K[n][k]·Q'[r][k] over a 16-token subtile, with A = key codes (rows g, g + 8
@@ -36,14 +37,14 @@ namespace oscar {
 constexpr int D = 128;
 constexpr int ROW_BYTES = D / 4;  // one packed token row
 constexpr int TILE = 64;          // tokens per staged tile
-// warps per block, each its own work item, and blocks an SM: 3 of 4 warps for 2-bit heads (16.5 KB of shared memory
-// and <= 168 registers a warp); a layer with wide heads stages their low planes too, 24.5 KB a warp, and keeps 2
-// blocks of 4 (3 blocks of 3 warps, squeezed to 168 registers, spilled in the tile loop and ran 1.25x slower at 100K
-// x 1 on an H100: eval/results/gpu/cuda_history_h100.log)
+// warps per block, each its own work item, and blocks an SM: 3 blocks of 4 warps for 2-bit heads (16.5 KB of shared
+// memory and <= 168 registers a warp); a layer with wide heads stages their low planes too, 24.5 KB a warp, and keeps
+// 2 blocks of 4 (3 blocks of 3 warps, squeezed to 168 registers, spilled in the tile loop and ran 1.25x slower at
+// 100K x 1 on an H100: eval/results/gpu/cuda_history_h100.log)
 template <bool WIDE> constexpr int WARPS = 4;
 template <bool WIDE> constexpr int BLOCKS_PER_SM = WIDE ? 2 : 3;
 constexpr int STAGES = 2;         // tiles in flight per warp
-constexpr int MAX_ROWS = 8;       // query rows per KV head (the MMA's rows 8..15 stay zero)
+constexpr int MAX_ROWS = 8;       // query rows per KV head (the MMAs' 8 columns)
 constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0 in both fp16 halves
 
 struct Params {  // mirrored by kernels/cuda_history.py (HistoryParams): keep the field order
@@ -431,7 +432,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
         bool token_ok = true;
         if (!whole) {  // branch-free: the split's end and the mask, then causality per row
           token_ok = tok < hi;
-          if (p.mask != nullptr) token_ok = token_ok & (p.mask[b * p.smask_b + (n_sink + imin(tok, hi - 1)) * p.smask_n] != 0);
+          if (p.mask != nullptr)
+            token_ok = token_ok & (p.mask[b * p.smask_b + (n_sink + imin(tok, hi - 1)) * p.smask_n] != 0);
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -565,7 +567,8 @@ template <bool WIDE> __device__ __forceinline__ void history_attention(const Par
 
 using namespace oscar;
 
-extern "C" __global__ void __launch_bounds__(WARPS<false> * 32, BLOCKS_PER_SM<false>) int2_history_attention(const Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS<false> * 32, BLOCKS_PER_SM<false>)
+int2_history_attention(const Params p) {
   OSCAR_SHARED_BASE(shared_bytes);
   history_attention<false>(p, shared_bytes);
 }
