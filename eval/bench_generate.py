@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import MIXED_KEY_BLOCKS, GIB, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
+from bench_gpu import MIXED_KEY_BLOCKS, GIB, decode_kernel, wide_channel_counts, build_model, chunks, copy_bandwidth, environment, free, kv_bytes_bf16, log, sync, tiny_qwen3  # noqa: E402
 
 METHODS = ("bf16-eager", "bf16-static", "bf16-flex", "hf-quantized", "oscar-eager", "oscar-static-eager",
            "oscar-static", "oscar-static-format5", "oscar-static-triton")
-COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5", "oscar-static-triton", "oscar-static-cuda"}
+COMPILED = {"bf16-static", "bf16-flex", "oscar-static", "oscar-static-format5", "oscar-static-triton",
+            "oscar-static-cuda"}
 # a method named "<oscar method>-cuda" or "-triton": the same with OSCAR_HF_DECODE_KERNEL set so while its cache is made
 # and its generate calls run (its graphs capture that kernel); the others keep the process's (by default `auto`)
 KERNEL_SUFFIXES = ("-cuda", "-triton")
@@ -153,24 +154,10 @@ def fill(cache, model, batch, length, device, chunk=16384):
     return cache
 
 
-@contextlib.contextmanager
 def history_kernel_for(method):
     """OSCAR_HF_DECODE_KERNEL=cuda for a "-cuda" method, =triton for a "-triton" one, else as the process has it."""
-    from oscar_hf.kernels import cuda_history
-
     suffix = next((x for x in KERNEL_SUFFIXES if (method or "").endswith(x)), None)
-    if suffix is None:
-        yield
-        return
-    saved = os.environ.get(cuda_history.ENV)
-    os.environ[cuda_history.ENV] = suffix[1:]
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(cuda_history.ENV)
-        else:
-            os.environ[cuda_history.ENV] = saved
+    return decode_kernel(suffix[1:] if suffix else None)
 
 
 def make_cache(method, model, batch, max_len):

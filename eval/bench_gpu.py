@@ -23,6 +23,7 @@ Speed does not depend on weight or KV values, so models and caches are filled wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -199,6 +200,25 @@ def kernel_breakdown(fn, replays: int = 20) -> dict:
             totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / replays
     del graph
     return {name[:60]: round(us, 2) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+@contextlib.contextmanager
+def decode_kernel(name: str | None):
+    """OSCAR_HF_DECODE_KERNEL=name ("auto", "cuda" or "triton") inside the block; None leaves the process's."""
+    from oscar_hf.kernels import cuda_history
+
+    if name is None:
+        yield
+        return
+    saved = os.environ.get(cuda_history.ENV)
+    os.environ[cuda_history.ENV] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cuda_history.ENV)
+        else:
+            os.environ[cuda_history.ENV] = saved
 
 
 def sync():
@@ -714,19 +734,11 @@ def section_history(device, quick, copy_bw, points=None, check=True):
     decode attention per layer (stage 1 + merge, graph-replayed) with both kernels interleaved, Qwen3-8B geometry:
     "channels" (the default storage format: per-head blocks, wide heads, wide key channels), "wide" (without wide
     key channels), "default" (uniform blocks of 64), "mixed" (per-head blocks only)."""
-    from oscar_hf.kernels import cuda_history
     from oscar_hf.kernels.attention import DEFAULT_LAUNCH, decode_attention_triton, segment_attention_triton
 
     def with_kernel(name, fn):
-        saved = os.environ.get(cuda_history.ENV)
-        os.environ[cuda_history.ENV] = name
-        try:
+        with decode_kernel(name):
             return fn()
-        finally:
-            if saved is None:
-                os.environ.pop(cuda_history.ENV)
-            else:
-                os.environ[cuda_history.ENV] = saved
 
     rows = []
     checks = [(1, 4096, "channels", 1), (3, 33000, "mixed", 1), (2, 9000, "channels", 2), (1, 100_000, "wide", 1),

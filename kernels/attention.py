@@ -866,11 +866,10 @@ _BULK_PREFETCH: dict = {}
 # cache's capacity) from which the CUDA history kernel reads it. H100, format 6, per layer against the Triton kernel
 # alone (results/gpu/cuda_history_h100.log): 4K x 1 0.76x (its extra launch), 8K x 1 1.06x, 32K x 1 1.57x.
 # `cuda_history_warps_per_sm`: the CUDA history kernel's splits (cuda_history.py), one warp each; None: as many as
-# an SM keeps resident (`cuda_history.RESIDENT_WARPS_PER_SM`: one wave). Before it kept 12 or 9 (H100, format 6,
-# per layer with the merge, splits of at least 512 / 1,024 / 2,048 / 4,096 tokens (results/gpu/
-# cuda_history_split_sweep_h100.log): 100K x 1 140.9 / 131.6 / 221.5 / 400.1 us, 32K x 8 294.0 / 293.8 / 243.3 /
-# 404.0, 32K x 1 68.1 / 114.9 / 209.5 / 387.5; the best of each is about 6-8 warps per SM in one wave (a warp is slow
-# alone: longer splits on fewer SMs lose), when 8 were resident.
+# an SM keeps resident (`cuda_history.RESIDENT_WARPS_PER_SM`), in one wave. With 8 resident, fewer and longer splits
+# lost (H100, format 6, per layer with the merge, splits of at least 512 / 1,024 / 2,048 / 4,096 tokens:
+# results/gpu/cuda_history_split_sweep_h100.log): 100K x 1 140.9 / 131.6 / 221.5 / 400.1 us, 32K x 8 294.0 / 293.8 /
+# 243.3 / 404.0, 32K x 1 68.1 / 114.9 / 209.5 / 387.5 (a warp is slow alone).
 DEFAULT_LAUNCH = dict(block_n=128, num_warps=4, num_warps_channel_keys=4, num_stages=1, programs_per_sm=12,
                       min_split_tiles=1, ptx_unpack=True, prefetch=False, l2_ahead=2, split_tile_max=64, maxnreg=None,
                       decode_maxnreg=168, programs_per_sm_long=24, long_split_tokens=1024,
@@ -1034,20 +1033,18 @@ def _launch(q, sink_k, sink_v, hist_codes_k, hist_meta_k, hist_codes_v, hist_met
     rows_contiguous = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (hist_codes_k, hist_codes_v))
     if INTERPRET or not rows_contiguous or not _has_bulk_prefetch(q.device):
         l2_ahead = 0  # the same loop without the hint (the interpreter cannot run PTX)
-    asked = history_kernel is not None  # a caller's runner (the CPU emulation) must be covered; `cuda` need not be
-    if asked or (cuda_history.requested() and q.device.type == "cuda"):
-        problem = cuda_history.history_kernel_problem(q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v,
-                                                      key_chunk, groups, wide_table, meta_words)
-        if problem is not None and asked:
-            raise ValueError(f"the CUDA history kernel does not cover this launch: {problem}")
-        if not asked and cuda_history.wanted(problem, plan_hist, DEFAULT_LAUNCH["cuda_history_min_tokens"]) \
-                and cuda_history.available(q.device, wide_table is not None):
-            history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
+    problem = lambda: cuda_history.history_kernel_problem(  # noqa: E731
+        q, hist_codes_k, hist_meta_k, hist_codes_v, hist_meta_v, key_chunk, groups, wide_table, meta_words)
+    if history_kernel is not None:  # a caller's runner (the CPU emulation) must be covered
+        if problem() is not None:
+            raise ValueError(f"the CUDA history kernel does not cover this launch: {problem()}")
+    elif (q.device.type == "cuda" and cuda_history.wanted(plan_hist, DEFAULT_LAUNCH["cuda_history_min_tokens"], problem)
+          and cuda_history.available(q.device, wide_table is not None)):
+        history_kernel = lambda params: cuda_history.launch(params, q.device)  # noqa: E731
     if history_kernel is not None and target_programs is None:
-        # the CUDA kernel: one warp a split, about `cuda_history_warps_per_sm` of them per SM (one wave of long
-        # splits; eval/results/gpu/cuda_history_split_sweep_h100.log)
-        # whole splits per (batch, KV head) that keep the warps within the wave: a few warps over it would run as
-        # a second wave alone and nearly double the time (32K x 8: 17 splits a head at 8 warps per SM)
+        # the CUDA kernel: one warp a split, whole splits per (batch, KV head) that keep the warps within one wave of
+        # what an SM keeps resident (a few warps over it would run as a second wave alone and nearly double the time:
+        # 32K x 8 had 17 splits a head at 8 warps per SM)
         per_split = b * h * m_tiles
         warps = DEFAULT_LAUNCH["cuda_history_warps_per_sm"] or cuda_history.RESIDENT_WARPS_PER_SM[wide_table is not None]
         target = per_split * max(1, warps * _sm_count(q.device) // per_split)

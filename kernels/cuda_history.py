@@ -84,17 +84,19 @@ def requested() -> bool:
     return mode() != "triton"
 
 
-def wanted(problem: str | None, planned_history: int, min_tokens: int) -> bool:
+def wanted(planned_history: int, min_tokens: int, problem) -> bool:
     """Whether a launch on a CUDA device should take the kernel, by `OSCAR_HF_DECODE_KERNEL`: never under `triton`;
-    under `cuda` wherever it covers the layout (`problem` None); under `auto` where it also has `min_tokens` or more
-    of history to read (below that, its extra launch costs more than it saves). A layout it does not cover is logged
-    once."""
-    if mode() == "triton":
+    under `cuda` wherever it covers the layout (`problem()`, which says why not, returns None); under `auto` where it
+    also has `min_tokens` or more of history to read (below that, its extra launch costs more than it saves).
+    `problem` is only called where the policy would take the kernel; a layout it does not cover is logged once."""
+    kernel_mode = mode()
+    if kernel_mode == "triton" or (kernel_mode == "auto" and planned_history < min_tokens):
         return False
-    if problem is not None:
-        log_fallback(problem)
+    reason = problem()
+    if reason is not None:
+        log_fallback(reason)
         return False
-    return mode() == "cuda" or planned_history >= min_tokens
+    return True
 
 
 def available(device: torch.device, wide: bool) -> bool:

@@ -158,14 +158,15 @@ def test_layouts_it_does_not_cover_are_named():
 def test_the_kernel_choice_follows_the_environment(monkeypatch):
     """OSCAR_HF_DECODE_KERNEL: `auto` (unset) takes the CUDA kernel for covered layouts from `min_tokens` of history,
     `cuda` for every covered layout, `triton` never; anything else is refused."""
+    covered, uncovered = (lambda: None), (lambda: "head_dim 64")
     monkeypatch.delenv(cuda_history.ENV, raising=False)
     assert cuda_history.mode() == "auto" and cuda_history.requested()
-    assert cuda_history.wanted(None, 8192, 8192) and not cuda_history.wanted(None, 8191, 8192)
-    assert not cuda_history.wanted("head_dim 64", 100_000, 8192)
+    assert cuda_history.wanted(8192, 8192, covered) and not cuda_history.wanted(8191, 8192, covered)
+    assert not cuda_history.wanted(100_000, 8192, uncovered)
     monkeypatch.setenv(cuda_history.ENV, "cuda")
-    assert cuda_history.wanted(None, 16, 8192) and not cuda_history.wanted("head_dim 64", 100_000, 8192)
+    assert cuda_history.wanted(16, 8192, covered) and not cuda_history.wanted(100_000, 8192, uncovered)
     monkeypatch.setenv(cuda_history.ENV, "Triton")
-    assert not cuda_history.requested() and not cuda_history.wanted(None, 100_000, 8192)
+    assert not cuda_history.requested() and not cuda_history.wanted(100_000, 8192, covered)
     monkeypatch.setenv(cuda_history.ENV, "cuda-graphs")
     with pytest.raises(ValueError, match="expected 'auto'"):
         cuda_history.requested()
